@@ -1,0 +1,42 @@
+"""npu_fsdp_patches: versioned, revertible fixes for optimizer bugs of NPU stacks under FSDP2/DTensor.
+
+Importing this package activates the plugin (DESIGN §3.1): it reads the NPU_FSDP_PATCHES_* env vars,
+detects installed frameworks from their metadata, evaluates compat_matrix.yaml and registers
+post-import hooks for the enabled patches. It imports neither torch nor any target framework.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import ConfigError, MatrixError, PatchError
+from .runtime import RUNTIME as _RUNTIME
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "PatchError", "ConfigError", "MatrixError", "status", "apply", "revert", "detect"]
+
+
+def status() -> list:
+    """One record per patch: name, decision, reason, state, error, targets, verified, ..."""
+    return _RUNTIME.status()
+
+
+def apply(*names: str) -> list:
+    """Apply the named patches even where the matrix says no (all matrix-enabled ones if none given).
+
+    An explicit request: a failure raises PatchError. Targets not imported yet are patched on import.
+    """
+    return _RUNTIME.apply(names)
+
+
+def revert(*names: str) -> list:
+    """Restore exactly the originals that apply installed (every applied patch if none given)."""
+    return _RUNTIME.revert(names)
+
+
+def detect() -> dict[str, Any]:
+    """Detected frameworks: version, location, source and flavor, read without importing them."""
+    _RUNTIME.ensure_prepared()
+    return {name: info.as_dict() for name, info in _RUNTIME.frameworks.items()}
+
+
+_RUNTIME.activate()

@@ -1,0 +1,91 @@
+"""Pure decision functions: (matrix entry, detected frameworks, settings) -> enabled or not, and why."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+from packaging.version import InvalidVersion, Version
+
+from .detect import Detected
+from .matrix import Condition, PatchSpec
+from .settings import PREFIX, Settings
+
+
+@dataclass(frozen=True)
+class Decision:
+    enabled: bool
+    reason: str
+    explicit: bool = False          # forced by ENABLE or apply(): a failure raises
+    verified: bool | None = None    # installed versions all in the tested set (None: nothing installed to check)
+    unverified: tuple = ()          # "name version" of installed versions outside the tested set
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def display_name(fw: Detected) -> str:
+    return fw.distribution or fw.name.replace("_", "-")
+
+
+def _describe(fw: Detected) -> str:
+    text = f"{display_name(fw)} {fw.version or '(unknown version)'}"
+    return f"{text} ({fw.flavor})" if fw.flavor else text
+
+
+def check_condition(cond: Condition, fw: Detected) -> tuple:
+    """Return (holds, human reason) for one framework condition."""
+    if not cond.installed:
+        return (not fw.installed,
+                f"{display_name(fw)} absent" if not fw.installed else f"{_describe(fw)} is installed")
+    if not fw.installed:
+        return False, f"{display_name(fw)} not installed"
+    if cond.flavor is not None and fw.flavor != cond.flavor:
+        return False, f"{_describe(fw)} is not the {cond.flavor} flavor"
+    if cond.version is None:
+        return True, f"{_describe(fw)} installed"
+    if fw.version is None:
+        return False, f"{display_name(fw)} version unknown ({fw.source})"
+    try:
+        matches = cond.version.contains(Version(fw.version), prereleases=True)
+    except InvalidVersion:
+        return False, f"{display_name(fw)} version {fw.version!r} is not a PEP 440 version"
+    verb = "matches" if matches else "does not match"
+    return matches, f"{_describe(fw)} {verb} {cond.version}"
+
+
+def evaluate_gate(spec: PatchSpec, frameworks: Mapping[str, Detected]) -> tuple:
+    """Return (enabled, reason, index of the matching alternative or None)."""
+    failures = []
+    for index, alternative in enumerate(spec.gate):
+        results = [check_condition(c, frameworks[c.framework]) for c in alternative]
+        if all(ok for ok, _ in results):
+            return True, "; ".join(text for _, text in results), index
+        failures.append(next(text for ok, text in results if not ok))
+    return False, " / ".join(dict.fromkeys(failures)) or "empty gate", None
+
+
+def verification(spec: PatchSpec, frameworks: Mapping[str, Detected], alternative: int | None) -> tuple:
+    """(all verified?, unverified list) over the installed frameworks the gate relies on."""
+    alternatives = [spec.gate[alternative]] if alternative is not None else list(spec.gate)
+    names = dict.fromkeys(c.framework for alt in alternatives for c in alt if c.installed)
+    installed = [frameworks[n] for n in names if frameworks[n].installed]
+    if not installed:
+        return None, ()
+    unverified = tuple(_describe(fw) for fw in installed
+                       if fw.version not in spec.verified.get(fw.name, ()))
+    return not unverified, unverified
+
+
+def decide(spec: PatchSpec, frameworks: Mapping[str, Detected], settings: Settings) -> Decision:
+    """The enable/disable decision for one patch; the order of the checks is the precedence."""
+    if not settings.active:
+        return Decision(False, f"{PREFIX}=0 (kill switch)")
+    if spec.name in settings.enable:
+        _, _, alternative = evaluate_gate(spec, frameworks)
+        verified, unverified = verification(spec, frameworks, alternative)
+        return Decision(True, f"forced by {PREFIX}_ENABLE", True, verified, unverified)
+    if spec.name in settings.disable or settings.disable_all:
+        return Decision(False, f"disabled by {PREFIX}_DISABLE")
+    enabled, reason, alternative = evaluate_gate(spec, frameworks)
+    verified, unverified = verification(spec, frameworks, alternative) if enabled else (None, ())
+    return Decision(enabled, reason, False, verified, unverified)

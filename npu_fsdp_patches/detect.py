@@ -1,0 +1,150 @@
+"""Find installed frameworks and their versions from distribution metadata and files, never by import.
+
+MindSpeed replaces ``importlib.metadata.version`` to claim transformer-engine 2.2.0
+(reference/hyper_parallel_veomni_mindspeed_facts.md §3.2), so versions are read from the
+``Distribution`` objects' own METADATA. Source checkouts without metadata (common for Megatron and
+MindSpeed) are found with ``importlib.util.find_spec`` on the top-level name, which imports nothing
+below it, and their version file is parsed statically.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from .matrix import FrameworkSpec
+
+if sys.version_info >= (3, 10):
+    import importlib.metadata as metadata
+else:  # pragma: no cover - exercised on 3.9 only
+    import importlib_metadata as metadata
+
+
+@dataclass(frozen=True)
+class Detected:
+    name: str
+    installed: bool
+    distribution: str | None = None
+    version: str | None = None
+    location: str | None = None
+    source: str = "not found"
+    flavor: str | None = None
+    flavor_rule: str | None = None
+    commit: str | None = None
+    note: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def distribution_index() -> dict:
+    """Map normalized distribution name -> first Distribution on sys.path order."""
+    index: dict = {}
+    for dist in metadata.distributions():
+        name = dist.metadata.get("Name") if dist.metadata else None
+        if name:
+            index.setdefault(normalize(name), dist)
+    return index
+
+
+def _module_dir(module: str | None) -> Path | None:
+    if not module:
+        return None
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(spec.origin).parent if spec.origin else None
+
+
+def read_version_file(path: Path) -> str | None:
+    """Parse ``__version__ = "x"`` or MAJOR/MINOR/PATCH[/PRE_RELEASE] assignments without executing."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    values = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = node.value.value
+    if isinstance(values.get("__version__"), str):
+        return values["__version__"]
+    if all(k in values for k in ("MAJOR", "MINOR", "PATCH")):
+        return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE') or ''}"
+    return None
+
+
+def _dist_root(dist) -> Path | None:
+    try:
+        return Path(dist.locate_file("")).resolve()
+    except Exception:  # noqa: BLE001 - exotic finders
+        return None
+
+
+def _flavor(spec: FrameworkSpec, dist, dist_name: str | None) -> tuple:
+    for i, rule in enumerate(spec.flavors):
+        if rule.distribution_matches:
+            if dist_name and re.search(rule.distribution_matches, dist_name, re.IGNORECASE):
+                return rule.flavor, f"rule {i}: distribution name {dist_name!r} matches {rule.distribution_matches!r}"
+        elif rule.ships_module:
+            top = (dist.read_text("top_level.txt") or "").split() if dist is not None else []
+            if rule.ships_module in top or _module_dir(rule.ships_module) is not None:
+                return rule.flavor, f"rule {i}: module {rule.ships_module!r} is installed"
+        else:
+            return rule.flavor, f"rule {i}: default"
+    return None, None
+
+
+def _read_commit(root: Path | None, relative: str | None) -> str | None:
+    if root is None or not relative:
+        return None
+    try:
+        return (root / relative).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
+    """Detect one framework: metadata first, then a source checkout found on sys.path."""
+    dist = next((index[normalize(n)] for n in spec.distributions if normalize(n) in index), None)
+    module_dir = _module_dir(spec.module)
+    source_root = module_dir.parent if module_dir is not None else None
+    dist_root = _dist_root(dist) if dist is not None else None
+    source_version = (read_version_file(source_root / spec.source_version_file)
+                      if source_root is not None and spec.source_version_file else None)
+    outside = (dist is not None and module_dir is not None and dist_root is not None
+               and not str(module_dir.resolve()).startswith(str(dist_root)))
+    shadowed = outside and source_version is not None and source_version != dist.metadata["Version"]
+    if dist is not None and not shadowed:
+        name = dist.metadata["Name"]
+        flavor, rule = _flavor(spec, dist, name)
+        return Detected(spec.name, True, name, dist.metadata["Version"],
+                        str(module_dir or dist_root), "metadata", flavor, rule,
+                        _read_commit(source_root or dist_root, spec.commit_file))
+    if module_dir is None:
+        return Detected(spec.name, False)
+    flavor, rule = _flavor(spec, None, None)
+    note = (f"imported from a source tree that shadows installed distribution "
+            f"{dist.metadata['Name']} {dist.metadata['Version']}" if shadowed else None)
+    source = "source-tree version file" if source_version else "find_spec (no version found)"
+    return Detected(spec.name, True, None, source_version, str(module_dir), source, flavor, rule,
+                    _read_commit(source_root, spec.commit_file), note)
+
+
+def detect_all(specs: Iterable[FrameworkSpec]) -> dict:
+    index = distribution_index()
+    return {spec.name: detect_framework(spec, index) for spec in specs}

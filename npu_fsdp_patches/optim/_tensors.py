@@ -1,0 +1,42 @@
+"""Small tensor predicates shared by the optimizers: which DTensor flavour, and its local shard.
+
+Two DTensor flavours exist: torch's ``torch.distributed.tensor.DTensor`` and hyper-parallel's
+DTensor, which is a ``torch.Tensor`` subclass exposing ``to_local()``/``device_mesh``/``placements``
+but is *not* a torch DTensor (reference/hyper_parallel_on_cpu_probe.md, Task 4). Neither import
+is required here: the torch class is looked up only if ``torch.distributed.tensor`` is loaded.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def torch_dtensor_type():
+    """torch's DTensor class, or None when torch.distributed.tensor has not been imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def is_torch_dtensor(t: object) -> bool:
+    cls = torch_dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def is_foreign_dtensor(t: object) -> bool:
+    """A DTensor-like tensor that is not torch's own (e.g. hyper-parallel's)."""
+    return (isinstance(t, torch.Tensor) and not is_torch_dtensor(t)
+            and callable(getattr(t, "to_local", None)) and hasattr(t, "placements"))
+
+
+def is_any_dtensor(t: object) -> bool:
+    return is_torch_dtensor(t) or is_foreign_dtensor(t)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor of either flavour (no autograd hop), or ``t`` itself."""
+    if is_torch_dtensor(t):
+        return t._local_tensor
+    if is_foreign_dtensor(t):
+        return t.to_local()
+    return t

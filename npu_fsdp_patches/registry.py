@@ -1,0 +1,112 @@
+"""Originals registry: where each target lives, what was there before us, and how to put it back.
+
+Modelled on gevent's ``monkey._state.saved``: the first original recorded for a target wins, so
+applying twice never loses it, and revert is derived from the same records that apply wrote.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .matrix import Target
+
+
+class TargetNotFound(LookupError):
+    """The framework no longer has the symbol (renamed, moved or removed)."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    target: Target
+    owner: Any
+    attr: str
+    original: Any       # raw __dict__ entry for class attributes (never a bound method)
+    had_own: bool       # False when a class inherits the attribute: revert deletes instead of setting
+
+
+@dataclass
+class Saved:
+    patch: str
+    resolved: Resolved
+    replacement: Any
+    installed: bool = True
+
+
+def resolve(target: Target) -> Resolved:
+    """Find the owner object and raw attribute of ``target`` in the already imported module."""
+    module = sys.modules.get(target.module) or importlib.import_module(target.module)
+    owner: Any = module
+    *path, attr = target.qualname.split(".")
+    for part in path:
+        if not hasattr(owner, part):
+            raise TargetNotFound(f"target not found: {target.module}:{target.qualname}")
+        owner = getattr(owner, part)
+    if inspect.isclass(owner):
+        for klass in inspect.getmro(owner):
+            if attr in vars(klass):
+                return Resolved(target, owner, attr, vars(klass)[attr], attr in vars(owner))
+        raise TargetNotFound(f"target not found: {target.module}:{target.qualname}")
+    if not hasattr(owner, attr):
+        raise TargetNotFound(f"target not found: {target.module}:{target.qualname}")
+    return Resolved(target, owner, attr, getattr(owner, attr), True)
+
+
+def _current(resolved: Resolved) -> Any:
+    owner, attr = resolved.owner, resolved.attr
+    if inspect.isclass(owner):
+        return vars(owner).get(attr)
+    return getattr(owner, attr, None)
+
+
+class Registry:
+    """All installed replacements, keyed by target symbol; first original wins."""
+
+    def __init__(self) -> None:
+        self._saved: dict = {}
+
+    def is_ours(self, resolved: Resolved) -> bool:
+        """True when the live attribute is a replacement this registry installed."""
+        entry = self._saved.get(resolved.target.symbol)
+        return (entry is not None and entry.installed and entry.resolved.owner is resolved.owner
+                and _current(entry.resolved) is entry.replacement)
+
+    def install(self, patch: str, resolved: Resolved, replacement: Any) -> None:
+        entry = self._saved.get(resolved.target.symbol)
+        if entry is not None and entry.resolved.owner is resolved.owner and not entry.installed \
+                and _current(entry.resolved) is entry.resolved.original:
+            resolved = entry.resolved        # re-apply after revert: keep the first original
+        setattr(resolved.owner, resolved.attr, replacement)
+        self._saved[resolved.target.symbol] = Saved(patch, resolved, replacement)
+
+    def restore(self, symbol: str) -> str | None:
+        """Put the original back; return an error text when someone replaced our object since."""
+        entry = self._saved.get(symbol)
+        if entry is None or not entry.installed:
+            return None
+        resolved = entry.resolved
+        if _current(resolved) is not entry.replacement:
+            return f"{symbol} was replaced by someone else after apply; left alone"
+        if resolved.had_own:
+            setattr(resolved.owner, resolved.attr, resolved.original)
+        else:
+            delattr(resolved.owner, resolved.attr)
+        entry.installed = False
+        return None
+
+    def owner_patch(self, symbol: str) -> str | None:
+        """The patch whose replacement is installed at ``symbol`` now, if any."""
+        entry = self._saved.get(symbol)
+        return entry.patch if entry is not None and entry.installed else None
+
+    def installed_for(self, patch: str) -> list:
+        return [s for s, e in self._saved.items() if e.patch == patch and e.installed]
+
+    def original(self, symbol: str) -> Any:
+        """The original object recorded for ``symbol`` (like gevent's get_original)."""
+        entry = self._saved.get(symbol)
+        if entry is None:
+            raise KeyError(symbol)
+        return entry.resolved.original

@@ -1,0 +1,104 @@
+"""Human text for doctor, explain and list; every line fits in 100 columns."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from .decide import check_condition
+from .matrix import PatchSpec
+
+WIDTH = 100
+
+
+def fit(text: str, width: int = WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _path(text: str | None, width: int) -> str:
+    text = text or "-"
+    return text if len(text) <= width else "…" + text[-(width - 1):]
+
+
+def _state(record: dict) -> str:
+    if record["state"] == "skipped" and record.get("note"):
+        return "skipped: upstream has it"
+    if record["state"] == "failed":
+        return f"failed: {record['error']}"
+    return record["state"]
+
+
+def doctor_text(report: dict) -> str:
+    plugin, env = report["plugin"], report["environment"]
+    npu = env["torch_npu"]
+    npu_text = ("not installed" if not npu["installed"] else
+                f"{npu['version']} " + ("(import not tried; use --import)" if npu["importable"] is None else
+                                        "importable" if npu["importable"] else
+                                        f"NOT importable: {npu['import_error']}"))
+    lines = [f"npu-fsdp-patches {plugin['version']} doctor", "", "Environment",
+             f"  python      {env['python']} ({env['platform']})",
+             f"  torch       {env['torch'] or 'not importable: ' + str(env['device_error'])}",
+             f"  torch_npu   {npu_text}",
+             f"  device      {env['device'] or '-'}", "", "Frameworks"]
+    for name, fw in report["frameworks"].items():
+        if not fw["installed"]:
+            lines.append(f"  {name:<19} not installed")
+            continue
+        extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
+        extra += f" commit {fw['commit'][:12]}" if fw["commit"] else ""
+        head = f"  {name:<19} {str(fw['version']) + extra:<24} {fw['source']:<9} "
+        lines.append(head + _path(fw["location"], WIDTH - len(head)))
+    lines += ["", f"Patches (matrix: {_path(plugin['matrix'], WIDTH - 19)})"]
+    if plugin["config_error"]:
+        lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
+    for r in report["patches"]:
+        lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {_state(r):<10} {r['reason']}"))
+    if report.get("self_test") is not None:
+        lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
+    if report["warnings"]:
+        lines += ["", "Warnings"] + [fit(f"  - {w}") for w in report["warnings"]]
+    counts = {}
+    for r in report["patches"]:
+        counts[r["state"]] = counts.get(r["state"], 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no patches"
+    lines += ["", fit(f"Summary: {summary}; exit code {report['exit_code']}")]
+    return "\n".join(lines)
+
+
+def self_test_lines(result: dict) -> list:
+    if "error" in result and not result.get("results"):
+        return [f"FAILED: {result['error']}"]
+    out = [f"device {result.get('device')}: {'PASS' if result.get('passed') else 'FAIL'}"]
+    for item in result.get("results", []):
+        first = item.get("first_mismatch")
+        text = f"{item.get('dtype')}: {'pass' if item.get('passed') else 'FAIL'}"
+        out.append(text + (f" (first mismatch {first})" if first else ""))
+    return out
+
+
+def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: str | None) -> str:
+    lines = [fit(f"{spec.name}: {spec.summary}")]
+    if record is not None:
+        lines += [fit(f"  decision  {record['decision']}: {record['reason']}"),
+                  fit(f"  state     {_state(record)}")]
+    if doc:
+        lines += ["", "What it changes:"] + [fit("  " + line) for line in doc.strip().splitlines()]
+    lines += ["", "Targets:"] + [f"  {t.symbol}" + ("  (optional)" if t.optional else "") for t in spec.targets]
+    lines += ["", "Gate (enabled when every condition of any one alternative holds):"]
+    for i, alternative in enumerate(spec.gate, 1):
+        for j, cond in enumerate(alternative):
+            ok, text = check_condition(cond, frameworks[cond.framework])
+            mark = "yes" if ok else "no "
+            lines.append(fit(f"  {'[' + str(i) + ']' if j == 0 else '   '} {mark} {text}"))
+    if spec.stand_down_probe:
+        lines.append(f"Stand-down probe: {spec.stand_down_probe} (skipped when upstream already has the fix)")
+    if spec.verified:
+        lines.append("Verified: " + "; ".join(f"{fw} {', '.join(v)}" for fw, v in spec.verified.items()))
+    for key, value in spec.upstream.items():
+        value = ", ".join(value) if isinstance(value, list) else value
+        lines.append(fit(f"Upstream {key}: {value}"))
+    if spec.facts:
+        lines.append(fit(f"Facts: {spec.facts}"))
+    return "\n".join(lines)
+
+
+def list_text(records: Iterable[dict]) -> str:
+    return "\n".join(fit(f"{r['name']:<27} {r['decision']:<9} {r['summary']}") for r in records)

@@ -1,0 +1,27 @@
+"""Entry point of one rank started by tests.distributed.run_ranks (not a test module)."""
+import datetime
+import importlib
+import json
+import os
+import pickle
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    module_name, func_name = os.environ["NPU_FSDP_RANK_TARGET"].split(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        result = func(rank, world, **json.loads(os.environ["NPU_FSDP_RANK_ARGS"]))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.environ["NPU_FSDP_RANK_RESULT"], "wb") as fh:
+        pickle.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main()

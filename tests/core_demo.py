@@ -1,0 +1,32 @@
+"""Helpers for the plugin-core tests that run against the core_demo fixture distributions."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.support import install_fixture, run_python
+
+PRELUDE = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(message)s")
+def records():
+    import npu_fsdp_patches
+    return {r["name"]: r for r in npu_fsdp_patches.status()}
+def emit(**values):
+    print("RESULT " + json.dumps(values, default=str))
+"""
+
+
+def demo_env(site: Path, matrix: str = "demo_matrix.yaml", **extra: str) -> dict:
+    env = {"NPU_FSDP_PATCHES_MATRIX": str(site / matrix)}
+    env.update(extra)
+    return env
+
+
+def run_demo(tmp_path: Path, code: str, *, matrix: str = "demo_matrix.yaml", check: bool = True,
+             **env: str):
+    """Run PRELUDE + code with the demo fixtures on the path; return (result dict, process)."""
+    site = install_fixture("core_demo", tmp_path)
+    proc = run_python(PRELUDE + code, paths=[site], env=demo_env(site, matrix, **env), check=check)
+    lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return (json.loads(lines[-1]) if lines else None), proc
