@@ -13,8 +13,13 @@ import subprocess
 import sys
 
 from . import __version__
+from .detect import detect_framework, distribution_index
+from .matrix import FrameworkSpec
 from .runtime import RUNTIME
 from .settings import PREFIX
+
+# The platform doctor always reports, whether or not the matrix names it (DESIGN §3.5).
+_TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
 
 SCHEMA = "npu-fsdp-patches/doctor"
 SCHEMA_VERSION = 1
@@ -41,12 +46,10 @@ def _child(code: str, timeout: float = 120) -> tuple:
 
 
 def environment(try_import: bool) -> dict:
-    frameworks = RUNTIME.frameworks
-    torch_npu = frameworks.get("torch_npu")
+    torch_npu = RUNTIME.frameworks.get("torch_npu") or detect_framework(_TORCH_NPU, distribution_index())
     env = {"python": platform.python_version(), "platform": f"{sys.platform} {platform.machine()}",
            "torch": None, "device": None, "device_error": None,
-           "torch_npu": {"installed": bool(torch_npu and torch_npu.installed),
-                         "version": torch_npu.version if torch_npu else None,
+           "torch_npu": {"installed": torch_npu.installed, "version": torch_npu.version,
                          "importable": None, "import_error": None}}
     ok, out = _child(_DEVICE_PROBE)
     if ok:

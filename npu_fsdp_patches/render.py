@@ -21,9 +21,12 @@ def _path(text: str | None, width: int) -> str:
 def _state(record: dict) -> str:
     if record["state"] == "skipped" and record.get("note"):
         return "skipped: upstream has it"
-    if record["state"] == "failed":
-        return f"failed: {record['error']}"
     return record["state"]
+
+
+def _why(record: dict) -> str:
+    """The decision reason, or for a failure the error, which is what the reader needs then."""
+    return record["error"] if record["state"] == "failed" and record["error"] else record["reason"]
 
 
 def doctor_text(report: dict) -> str:
@@ -50,7 +53,7 @@ def doctor_text(report: dict) -> str:
     if plugin["config_error"]:
         lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
     for r in report["patches"]:
-        lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {_state(r):<10} {r['reason']}"))
+        lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {_state(r):<10} {_why(r)}"))
     if report.get("self_test") is not None:
         lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
     if report["warnings"]:
@@ -78,7 +81,7 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     lines = [fit(f"{spec.name}: {spec.summary}")]
     if record is not None:
         lines += [fit(f"  decision  {record['decision']}: {record['reason']}"),
-                  fit(f"  state     {_state(record)}")]
+                  fit(f"  state     {_state(record)}" + (f": {record['error']}" if record["error"] else ""))]
     if doc:
         lines += ["", "What it changes:"] + [fit("  " + line) for line in doc.strip().splitlines()]
     lines += ["", "Targets:"] + [f"  {t.symbol}" + ("  (optional)" if t.optional else "") for t in spec.targets]

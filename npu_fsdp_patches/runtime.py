@@ -25,6 +25,14 @@ from .stale import modules_referencing
 log = logging.getLogger("npu_fsdp_patches")
 
 
+class _AtTarget(Exception):
+    """Carries the target symbol whose installation failed; the cause is chained."""
+
+    def __init__(self, symbol: str):
+        super().__init__(symbol)
+        self.symbol = symbol
+
+
 def configure_logging(level: str | None) -> None:
     if level is None:
         return
@@ -172,11 +180,13 @@ class Runtime:
                             raise
                 symbol = None
                 self._install(record, patch, resolved, module_name)
+            except _AtTarget as failure:
+                self._fail(record, failure.__cause__, failure.symbol)
             except Exception as exc:  # noqa: BLE001 - failure isolation per patch
                 self._fail(record, exc, symbol)
 
     def _install(self, record: PatchRecord, patch, resolved: list, module_name: str) -> None:
-        done = []
+        done, item = [], None
         try:
             for item in resolved:
                 if self.registry.is_ours(item):
@@ -186,10 +196,10 @@ class Runtime:
                     raise PatchError(f"{item.target.symbol} is already patched by {owner}")
                 self.registry.install(record.name, item, patch.replacement(item.target.symbol, item.original))
                 done.append(item)
-        except Exception:
-            for item in reversed(done):
-                self.registry.restore(item.target.symbol)
-            raise
+        except Exception as exc:
+            for installed in reversed(done):
+                self.registry.restore(installed.target.symbol)
+            raise _AtTarget(item.target.symbol) from exc
         for item in done:
             if item.target.symbol not in record.applied_targets:
                 record.applied_targets.append(item.target.symbol)

@@ -1,0 +1,92 @@
+"""Table tests of the pure decision functions."""
+import pytest
+
+from npu_fsdp_patches.decide import check_condition, decide
+from npu_fsdp_patches.detect import Detected
+from npu_fsdp_patches.matrix import parse_matrix
+from npu_fsdp_patches.settings import parse_settings
+
+MATRIX = parse_matrix("""\
+schema_version: 1
+frameworks:
+  transformer_engine: {distributions: [transformer-engine], module: transformer_engine}
+  megatron_core: {distributions: [megatron-core], module: megatron}
+  hyper_parallel: {distributions: [hyper-parallel], module: hyper_parallel}
+patches:
+  te_patch:
+    summary: s
+    targets: ["a:b"]
+    gate:
+      - transformer_engine: {flavor: npu}
+      - transformer_engine: {flavor: nvidia, version: ">=2.10,<2.12"}
+    verified: {transformer_engine: ["2.11.0", "2.2.0"]}
+  shim:
+    summary: s
+    targets: ["a:b"]
+    gate:
+      - megatron_core: {version: ">=0.11"}
+        transformer_engine: {version: ">=2.1"}
+    verified: {megatron_core: ["0.16.1"], transformer_engine: ["2.11.0"]}
+  no_hp:
+    summary: s
+    targets: ["a:b"]
+    gate:
+      - hyper_parallel: {installed: false}
+""")
+
+
+KEYS = {"te": "transformer_engine", "mc": "megatron_core", "hp": "hyper_parallel"}
+
+
+def fw(short, version=None, flavor=None):
+    name = KEYS[short]
+    if version is None:
+        return Detected(name, False)
+    return Detected(name, True, name.replace("_", "-"), version, flavor=flavor)
+
+
+def frameworks(te=None, mc=None, hp=None):
+    return {KEYS["te"]: te or fw("te"), KEYS["mc"]: mc or fw("mc"), KEYS["hp"]: hp or fw("hp")}
+
+
+@pytest.mark.parametrize("patch, fws, env, enabled, reason, verified", [
+    ("te_patch", frameworks(), {}, False, "transformer-engine not installed", None),
+    ("te_patch", frameworks(te=fw("te", "2.2.0", "npu")), {}, True,
+     "transformer-engine 2.2.0 (npu) installed", True),
+    ("te_patch", frameworks(te=fw("te", "2.11.0", "nvidia")), {}, True,
+     "transformer-engine 2.11.0 (nvidia) matches <2.12,>=2.10", True),
+    ("te_patch", frameworks(te=fw("te", "2.10.1", "nvidia")), {}, True,
+     "transformer-engine 2.10.1 (nvidia) matches <2.12,>=2.10", False),
+    ("te_patch", frameworks(te=fw("te", "2.14.0", "nvidia")), {}, False,
+     "transformer-engine 2.14.0 (nvidia) is not the npu flavor / "
+     "transformer-engine 2.14.0 (nvidia) does not match <2.12,>=2.10", None),
+    ("shim", frameworks(te=fw("te", "2.11.0"), mc=fw("mc", "0.16.1")), {}, True,
+     "megatron-core 0.16.1 matches >=0.11; transformer-engine 2.11.0 matches >=2.1", True),
+    ("shim", frameworks(te=fw("te", "2.0.0"), mc=fw("mc", "0.16.1")), {}, False,
+     "transformer-engine 2.0.0 does not match >=2.1", None),
+    ("shim", frameworks(te=fw("te", "2.11.0"), mc=fw("mc", "0.10.0")), {}, False,
+     "megatron-core 0.10.0 does not match >=0.11", None),
+    ("shim", frameworks(te=fw("te", "2.11.0"), mc=fw("mc", "core_r0.12.1")), {}, False,
+     "megatron-core version 'core_r0.12.1' is not a PEP 440 version", None),
+    ("shim", frameworks(te=fw("te", "2.11.0"), mc=fw("mc", "0.16.1")),
+     {"NPU_FSDP_PATCHES_DISABLE": "shim"}, False, "disabled by NPU_FSDP_PATCHES_DISABLE", None),
+    ("shim", frameworks(), {"NPU_FSDP_PATCHES_ENABLE": "shim"}, True, "forced by NPU_FSDP_PATCHES_ENABLE", None),
+    ("shim", frameworks(te=fw("te", "2.11.0"), mc=fw("mc", "0.16.1")), {"NPU_FSDP_PATCHES": "0"}, False,
+     "NPU_FSDP_PATCHES=0 (kill switch)", None),
+    ("no_hp", frameworks(), {}, True, "hyper-parallel absent", None),
+    ("no_hp", frameworks(hp=fw("hp", "0.1.0")), {}, False, "hyper-parallel 0.1.0 is installed", None),
+])
+def test_decision_table(patch, fws, env, enabled, reason, verified):
+    d = decide(MATRIX.patches[patch], fws, parse_settings(env))
+    assert (d.enabled, d.reason, d.verified) == (enabled, reason, verified)
+
+
+def test_unverified_lists_the_version():
+    d = decide(MATRIX.patches["te_patch"], frameworks(te=fw("te", "2.10.1", "nvidia")), parse_settings({}))
+    assert d.unverified == ("transformer-engine 2.10.1 (nvidia)",)
+
+
+def test_prerelease_and_local_versions_match():
+    cond = MATRIX.patches["shim"].gate[0][0]
+    assert check_condition(cond, fw("mc", "0.18.0rc1"))[0] is True
+    assert check_condition(MATRIX.patches["shim"].gate[0][1], fw("te", "2.13.0+npu"))[0] is True

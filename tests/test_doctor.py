@@ -1,0 +1,117 @@
+"""doctor text/JSON, exit codes, explain and list, through the real CLI in fresh interpreters."""
+import json
+import subprocess
+import sys
+
+from tests.core_demo import demo_env
+from tests.support import install_fixture, run_python
+from tests.test_detect import make_dist
+
+
+def cli(tmp_path, *args, matrix="demo_matrix.yaml", extra_paths=(), **env):
+    site = install_fixture("core_demo", tmp_path)
+    code = "import sys; from npu_fsdp_patches.cli import main; sys.exit(main(sys.argv[1:]))"
+    child_env = demo_env(site, matrix, **env)
+    proc = run_python(f"import sys; sys.argv[1:] = {list(args)!r}\n" + code,
+                      paths=[site, *extra_paths], env=child_env, check=False)
+    return proc
+
+
+def test_doctor_json_healthy_schema_and_exit_0(tmp_path):
+    proc = cli(tmp_path, "doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["schema"], report["schema_version"], report["exit_code"]) == ("npu-fsdp-patches/doctor", 1, 0)
+    assert set(report) == {"schema", "schema_version", "plugin", "environment", "frameworks", "patches",
+                           "warnings", "self_test", "exit_code"}
+    assert report["environment"]["device"] == "cpu" and report["environment"]["torch"].startswith("2.")
+    assert report["frameworks"]["demo"]["version"] == "1.2.0"
+    shout = next(p for p in report["patches"] if p["name"] == "demo_shout")
+    assert (shout["decision"], shout["state"], shout["verified"]) == ("enabled", "pending", True)
+    assert shout["reason"] == "demo-framework 1.2.0 matches >=1.0"
+
+
+def test_doctor_import_applies_and_reports_failures_with_exit_1(tmp_path):
+    proc = cli(tmp_path, "doctor", "--json", "--import", matrix="demo_matrix_failing.yaml")
+    assert proc.returncode == 1
+    states = {p["name"]: [p["state"], p["error"]] for p in json.loads(proc.stdout)["patches"]}
+    assert states["demo_shout"] == ["applied", None]
+    assert states["demo_boom"] == ["failed", "RuntimeError: boom from demo_boom"]
+    assert states["demo_missing"] == ["failed", "target not found: demo_target:Engine.vanished"]
+
+
+def test_doctor_bad_configuration_exit_2_in_text_and_json(tmp_path):
+    proc = cli(tmp_path, "doctor", NPU_FSDP_PATCHES_LOG="chatty")
+    assert proc.returncode == 2
+    assert "INACTIVE: NPU_FSDP_PATCHES_LOG='chatty' is not valid" in proc.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: 1\nframeworks: {}\npatches: [\n")
+    proc = cli(tmp_path, "doctor", "--json", NPU_FSDP_PATCHES_MATRIX=str(bad))
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 2 and report["exit_code"] == 2
+    assert report["plugin"]["config_error"].startswith(f"{bad}:")
+
+
+def test_doctor_text_fits_100_columns_with_one_line_per_patch(tmp_path):
+    proc = cli(tmp_path, "doctor", NPU_FSDP_PATCHES_MATRIX_UNUSED="x")
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    start = lines.index(next(line for line in lines if line.startswith("Patches (matrix:")))
+    patch_lines = lines[start + 1:lines.index("", start)]
+    assert [line.split()[0] for line in patch_lines] == ["demo_shout", "demo_child", "demo_gated_off", "demo_absent"]
+    assert "  demo_gated_off              disabled  disabled   demo-framework 1.2.0 does not match <1.0" in lines
+    assert lines[-1] == "Summary: 2 disabled, 2 pending; exit code 0"
+
+
+def test_doctor_warns_unverified_and_stale_references(tmp_path):
+    code = """
+import demo_target, demo_target.extra
+import npu_fsdp_patches
+npu_fsdp_patches.apply("demo_child")
+from npu_fsdp_patches.doctor import collect
+import json; print(json.dumps(collect()["warnings"]))
+"""
+    site = install_fixture("core_demo", tmp_path)
+    proc = run_python(code, paths=[site], env=demo_env(site))
+    warnings = json.loads(proc.stdout.splitlines()[-1])
+    assert "demo_shout: demo_target was imported before npu_fsdp_patches activated; stale references " \
+           "to the unpatched objects in: demo_target.extra" in warnings
+    assert "demo_child: demo-framework 1.2.0 in range but not verified by the test suite" in warnings
+
+
+def test_doctor_import_reports_unimportable_torch_npu(tmp_path):
+    fake = tmp_path / "fake_npu"
+    make_dist(fake, "torch_npu", "2.8.0.post2",
+              {"torch_npu/__init__.py": "raise ImportError('libascendcl.so: cannot open shared object file')\n"})
+    report = json.loads(cli(tmp_path, "doctor", "--json", extra_paths=[fake]).stdout)
+    assert report["environment"]["torch_npu"] == {"installed": True, "version": "2.8.0.post2",
+                                                  "importable": None, "import_error": None}
+    report = json.loads(cli(tmp_path, "doctor", "--json", "--import", extra_paths=[fake]).stdout)
+    npu = report["environment"]["torch_npu"]
+    assert npu["importable"] is False
+    assert npu["import_error"] == "ImportError: libascendcl.so: cannot open shared object file"
+
+
+def test_explain_and_list(tmp_path):
+    proc = cli(tmp_path, "explain", "demo_shout")
+    assert proc.returncode == 0
+    out = proc.stdout
+    assert out.startswith("demo_shout: append ! to greet and scale Engine.run\n")
+    assert "  [1] yes demo-framework 1.2.0 matches >=1.0" in out
+    assert "  demo_target:Engine.gone  (optional)" in out
+    assert "Appends '!' to greet() and multiplies Engine.run by 10." in out
+    assert "Upstream fix: demo commit abc123" in out and "Upstream issues: demo#1" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    proc = cli(tmp_path, "explain", "nope")
+    assert proc.returncode == 2 and "unknown patch 'nope'" in proc.stderr
+    lines = cli(tmp_path, "list").stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["demo_shout", "enabled"], ["demo_child", "enabled"],
+                                                   ["demo_gated_off", "disabled"], ["demo_absent", "disabled"]]
+
+
+def test_python_dash_m_entry(tmp_path):
+    site = install_fixture("core_demo", tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
+                          env={**demo_env(site), "PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("demo_shout")
