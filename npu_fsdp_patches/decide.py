@@ -1,8 +1,7 @@
 """Pure decision functions: (matrix entry, detected frameworks, settings) -> enabled or not, and why."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
@@ -11,8 +10,7 @@ from .matrix import Condition, PatchSpec
 from .settings import PREFIX, Settings
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     enabled: bool
     reason: str
     explicit: bool = False          # forced by ENABLE or apply(): a failure raises
@@ -20,7 +18,7 @@ class Decision:
     unverified: tuple = ()          # "name version" of installed versions outside the tested set
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return self._asdict()
 
 
 def display_name(fw: Detected) -> str:

@@ -1,31 +1,23 @@
 """Find installed frameworks and their versions from distribution metadata and files, never by import.
 
 MindSpeed replaces ``importlib.metadata.version`` to claim transformer-engine 2.2.0
-(reference/hyper_parallel_veomni_mindspeed_facts.md §3.2), so versions are read from the
-``Distribution`` objects' own METADATA. Source checkouts without metadata (common for Megatron and
+(reference/hyper_parallel_veomni_mindspeed_facts.md §3.2), so versions are read from each
+distribution's own METADATA file (dists.py), never through that helper. Source checkouts without metadata (common for Megatron and
 MindSpeed) are found with ``importlib.util.find_spec`` on the top-level name, which imports nothing
 below it, and their version file is parsed statically.
 """
 from __future__ import annotations
 
-import ast
 import importlib.util
 import re
-import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
+from . import dists
 from .matrix import FrameworkSpec
 
-if sys.version_info >= (3, 10):
-    import importlib.metadata as metadata
-else:  # pragma: no cover - exercised on 3.9 only
-    import importlib_metadata as metadata
 
-
-@dataclass(frozen=True)
-class Detected:
+class Detected(NamedTuple):
     name: str
     installed: bool
     distribution: str | None = None
@@ -38,21 +30,15 @@ class Detected:
     note: str | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return self._asdict()
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+normalize = dists.normalize
 
 
 def distribution_index() -> dict:
-    """Map normalized distribution name -> first Distribution on sys.path order."""
-    index: dict = {}
-    for dist in metadata.distributions():
-        name = dist.metadata.get("Name") if dist.metadata else None
-        if name:
-            index.setdefault(normalize(name), dist)
-    return index
+    """Map normalized distribution name -> first installed distribution in sys.path order."""
+    return dists.installed()
 
 
 def _module_dir(module: str | None) -> Path | None:
@@ -71,6 +57,8 @@ def _module_dir(module: str | None) -> Path | None:
 
 def read_version_file(path: Path) -> str | None:
     """Parse ``__version__ = "x"`` or MAJOR/MINOR/PATCH[/PRE_RELEASE] assignments without executing."""
+    import ast  # only source checkouts need it
+
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
@@ -89,10 +77,7 @@ def read_version_file(path: Path) -> str | None:
 
 
 def _dist_root(dist) -> Path | None:
-    try:
-        return Path(dist.locate_file("")).resolve()
-    except Exception:  # noqa: BLE001 - exotic finders
-        return None
+    return Path(dist.root).resolve() if dist.root else None
 
 
 def _flavor(spec: FrameworkSpec, dist, dist_name: str | None) -> tuple:
@@ -128,23 +113,24 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
                       if source_root is not None and spec.source_version_file else None)
     outside = (dist is not None and module_dir is not None and dist_root is not None
                and not str(module_dir.resolve()).startswith(str(dist_root)))
-    shadowed = outside and source_version is not None and source_version != dist.metadata["Version"]
+    shadowed = outside and source_version is not None and source_version != dist.version
     if dist is not None and not shadowed:
-        name = dist.metadata["Name"]
+        name = dist.name
         flavor, rule = _flavor(spec, dist, name)
-        return Detected(spec.name, True, name, dist.metadata["Version"],
+        return Detected(spec.name, True, name, dist.version,
                         str(module_dir or dist_root), "metadata", flavor, rule,
                         _read_commit(source_root or dist_root, spec.commit_file))
     if module_dir is None:
         return Detected(spec.name, False)
     flavor, rule = _flavor(spec, None, None)
     note = (f"imported from a source tree that shadows installed distribution "
-            f"{dist.metadata['Name']} {dist.metadata['Version']}" if shadowed else None)
+            f"{dist.name} {dist.version}" if shadowed else None)
     source = "source-tree version file" if source_version else "find_spec (no version found)"
     return Detected(spec.name, True, None, source_version, str(module_dir), source, flavor, rule,
                     _read_commit(source_root, spec.commit_file), note)
 
 
 def detect_all(specs: Iterable[FrameworkSpec]) -> dict:
+    specs = list(specs)
     index = distribution_index()
     return {spec.name: detect_framework(spec, index) for spec in specs}

@@ -10,8 +10,6 @@ import logging
 from types import ModuleType
 from typing import Callable
 
-import wrapt
-
 from .errors import PatchError
 
 log = logging.getLogger("npu_fsdp_patches")
@@ -27,5 +25,7 @@ def when_imported(module_name: str, callback: Callable[[ModuleType], None]) -> N
             raise
         except Exception:  # noqa: BLE001 - a hook must never break the user's import
             log.exception("npu_fsdp_patches: post-import hook for %s failed", module_name)
+
+    import wrapt  # deferred: costs a third of activation and is needed only for pending targets
 
     wrapt.register_post_import_hook(hook, module_name)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .detect import metadata
+from . import dists
 
 GROUP = "npu_fsdp_patches.patches"
 BUILTIN_PACKAGE = "npu_fsdp_patches.patches"
@@ -44,7 +44,9 @@ def builtin_table() -> dict:
 
 def available() -> dict:
     """name -> "module:attr" for every registered patch (entry points first, then built-ins)."""
-    found = {ep.name: ep.value for ep in metadata.entry_points(group=GROUP)}
+    found = {}
+    for name, value in dists.entry_points(GROUP):
+        found.setdefault(name, value)
     for name, value in builtin_table().items():
         found.setdefault(name, value)
     return found

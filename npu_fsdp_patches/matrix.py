@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -22,8 +21,7 @@ _CONDITION_KEYS = {"installed", "version", "flavor"}
 _UPSTREAM_KEYS = {"fix", "issues", "notes"}
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     module: str
     qualname: str
     optional: bool = False
@@ -33,23 +31,20 @@ class Target:
         return f"{self.module}:{self.qualname}"
 
 
-@dataclass(frozen=True)
-class Condition:
+class Condition(NamedTuple):
     framework: str
     installed: bool = True
     version: SpecifierSet | None = None
     flavor: str | None = None
 
 
-@dataclass(frozen=True)
-class FlavorRule:
+class FlavorRule(NamedTuple):
     flavor: str
     distribution_matches: str | None = None
     ships_module: str | None = None
 
 
-@dataclass(frozen=True)
-class FrameworkSpec:
+class FrameworkSpec(NamedTuple):
     name: str
     distributions: tuple = ()
     module: str | None = None
@@ -58,15 +53,14 @@ class FrameworkSpec:
     commit_file: str | None = None
 
 
-@dataclass(frozen=True)
-class PatchSpec:
+class PatchSpec(NamedTuple):
     name: str
     summary: str
     targets: tuple
     gate: tuple  # alternatives; each a tuple of Conditions that must all hold
     stand_down_probe: str | None = None
-    verified: Mapping[str, tuple] = field(default_factory=dict)
-    upstream: Mapping[str, Any] = field(default_factory=dict)
+    verified: Mapping[str, tuple] = {}
+    upstream: Mapping[str, Any] = {}
     facts: str = ""
 
     @property
@@ -74,12 +68,11 @@ class PatchSpec:
         return tuple(dict.fromkeys(t.module for t in self.targets))
 
 
-@dataclass(frozen=True)
-class Matrix:
+class Matrix(NamedTuple):
     path: str
     frameworks: Mapping[str, FrameworkSpec]
     patches: Mapping[str, PatchSpec]
-    lines: Mapping[str, int] = field(default_factory=dict)
+    lines: Mapping[str, int] = {}
 
     def error(self, key_path: str, message: str) -> MatrixError:
         return MatrixError(message, path=self.path, key_path=key_path, line=self.lines.get(key_path))
@@ -91,20 +84,21 @@ class _Reader:
     def __init__(self, path: str):
         self.path = path
         self.lines: dict = {}
+        self._scalars = yaml.constructor.SafeConstructor()
 
     def to_data(self, node: yaml.Node, key_path: str) -> Any:
         self.lines.setdefault(key_path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             out = {}
             for key_node, value_node in node.value:
-                key = yaml.safe_load(yaml.serialize(key_node)) if not isinstance(key_node, yaml.ScalarNode) else key_node.value
+                key = self._scalars.construct_object(key_node, deep=True)
                 child = f"{key_path}.{key}" if key_path else str(key)
                 self.lines[child] = key_node.start_mark.line + 1
                 out[key] = self.to_data(value_node, child)
             return out
         if isinstance(node, yaml.SequenceNode):
             return [self.to_data(item, f"{key_path}[{i}]") for i, item in enumerate(node.value)]
-        return yaml.safe_load(yaml.serialize(node))
+        return self._scalars.construct_object(node, deep=True)
 
     def fail(self, key_path: str, message: str) -> MatrixError:
         return MatrixError(message, path=self.path, key_path=key_path, line=self.lines.get(key_path))
@@ -190,7 +184,7 @@ def parse_matrix(text: str, path: str = "<string>") -> Matrix:
     """Validate matrix text; raise MatrixError with file, key path and line on any problem."""
     r = _Reader(path)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise MatrixError(f"YAML error: {getattr(exc, 'problem', None) or exc}", path=path,

@@ -1,26 +1,22 @@
 """The per-patch status record that status(), doctor and the JSON report share."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from .decide import Decision
 
 STATES = ("pending", "applied", "skipped", "failed", "disabled", "reverted")
 
 
-@dataclass
 class PatchRecord:
-    name: str
-    summary: str
-    decision: Decision
-    targets: list
-    state: str = "disabled"
-    error: str | None = None
-    note: str | None = None                 # e.g. "upstream has it (probe handles_dtensor)"
-    applied_targets: list = field(default_factory=list)
-    waiting_for: list = field(default_factory=list)
-    imported_before_activation: list = field(default_factory=list)
-    stale_refs: dict = field(default_factory=dict)   # target symbol -> modules holding the original
+    """Mutable: the runtime updates state, error and targets as hooks fire and patches revert."""
+
+    def __init__(self, name: str, summary: str, decision: Decision, targets: list, state: str = "disabled"):
+        self.name, self.summary, self.decision, self.targets, self.state = name, summary, decision, targets, state
+        self.error: str | None = None
+        self.note: str | None = None                  # e.g. "upstream has it (probe handles_dtensor)"
+        self.applied_targets: list = []
+        self.waiting_for: list = []
+        self.imported_before_activation: list = []
+        self.stale_refs: dict = {}                     # target symbol -> modules holding the original
 
     def as_dict(self) -> dict:
         return {

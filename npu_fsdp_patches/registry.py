@@ -6,10 +6,8 @@ applying twice never loses it, and revert is derived from the same records that 
 from __future__ import annotations
 
 import importlib
-import inspect
 import sys
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .matrix import Target
 
@@ -18,8 +16,7 @@ class TargetNotFound(LookupError):
     """The framework no longer has the symbol (renamed, moved or removed)."""
 
 
-@dataclass(frozen=True)
-class Resolved:
+class Resolved(NamedTuple):
     target: Target
     owner: Any
     attr: str
@@ -27,12 +24,11 @@ class Resolved:
     had_own: bool       # False when a class inherits the attribute: revert deletes instead of setting
 
 
-@dataclass
 class Saved:
-    patch: str
-    resolved: Resolved
-    replacement: Any
-    installed: bool = True
+    """One installed replacement; ``installed`` turns False on revert, the original stays recorded."""
+
+    def __init__(self, patch: str, resolved: Resolved, replacement: Any):
+        self.patch, self.resolved, self.replacement, self.installed = patch, resolved, replacement, True
 
 
 def resolve(target: Target) -> Resolved:
@@ -44,8 +40,8 @@ def resolve(target: Target) -> Resolved:
         if not hasattr(owner, part):
             raise TargetNotFound(f"target not found: {target.module}:{target.qualname}")
         owner = getattr(owner, part)
-    if inspect.isclass(owner):
-        for klass in inspect.getmro(owner):
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
             if attr in vars(klass):
                 return Resolved(target, owner, attr, vars(klass)[attr], attr in vars(owner))
         raise TargetNotFound(f"target not found: {target.module}:{target.qualname}")
@@ -56,7 +52,7 @@ def resolve(target: Target) -> Resolved:
 
 def _current(resolved: Resolved) -> Any:
     owner, attr = resolved.owner, resolved.attr
-    if inspect.isclass(owner):
+    if isinstance(owner, type):
         return vars(owner).get(attr)
     return getattr(owner, attr, None)
 

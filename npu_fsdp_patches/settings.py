@@ -1,8 +1,7 @@
 """The one place NPU_FSDP_PATCHES_* environment variables are parsed (DESIGN §3.2)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from .errors import ConfigError
 
@@ -18,12 +17,11 @@ ENV_VARS = {
 }
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     active: bool = True
-    disable: frozenset = field(default_factory=frozenset)
+    disable: frozenset = frozenset()
     disable_all: bool = False
-    enable: frozenset = field(default_factory=frozenset)
+    enable: frozenset = frozenset()
     strict: bool = False
     matrix_path: str | None = None
     log_level: str | None = None

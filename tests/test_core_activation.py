@@ -86,7 +86,7 @@ import npu_fsdp_patches, importlib
 from npu_fsdp_patches.runtime import RUNTIME
 RUNTIME.activate(); RUNTIME.activated = False; RUNTIME.activate()
 import demo_target
-import npu_fsdp_patches.autoload as autoload
+import npu_fsdp_patches_autoload as autoload
 autoload.autoload(); autoload.autoload()
 emit(greet=demo_target.greet("x"), run=demo_target.Engine().run(1))
 """)

@@ -1,0 +1,79 @@
+"""Packaging (DESIGN §2): a fresh venv, a plain checkout on PYTHONPATH, then a non-editable install."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO_ROOT
+
+DEPS = ["wrapt", "packaging", "PyYAML", "importlib-metadata"]
+
+
+def _copy_sources(dest):
+    """Copy the tracked-looking sources (no venvs, caches or build output) preserving symlinks."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", "dist",
+                                    ".pytest_cache", "fixtures", "benchmarks", "examples")
+    shutil.copytree(REPO_ROOT, dest, symlinks=True, ignore=ignore)
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pkg")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    pip = subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", *DEPS],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        pytest.fail(f"installing runtime deps failed:\n{pip.stderr[-3000:]}")
+    return root, venv
+
+
+def test_plain_checkout_then_non_editable_install(fresh_venv):
+    root, venv = fresh_venv
+    python = venv / "bin" / "python"
+    clean_env = {"PATH": "/usr/bin:/bin", "HOME": str(root)}
+    probe = ("import json, npu_fsdp_patches as n, npu_fsdp_patches.patches as p; "
+             "from npu_fsdp_patches.matrix import SHIPPED_MATRIX; "
+             "print(json.dumps({'names': sorted(r['name'] for r in n.status()), "
+             "'builtins': sorted(p.BUILTIN_PATCHES), 'matrix': str(SHIPPED_MATRIX.resolve())}))")
+    checkout = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, cwd=root,
+                              env={**clean_env, "PYTHONPATH": str(REPO_ROOT)})
+    assert checkout.returncode == 0, checkout.stderr
+    four = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor", "te_initialize_state_compat"]
+    found = json.loads(checkout.stdout)
+    assert found["names"] == four and found["builtins"] == four
+
+    src = root / "src"
+    _copy_sources(src)
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(src)],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-3000:]
+    shutil.rmtree(src)  # nothing may depend on the source tree any more
+
+    doctor = subprocess.run([venv / "bin" / "npu-fsdp-patches", "doctor", "--json"], capture_output=True,
+                            text=True, timeout=300, cwd=root, env=clean_env)
+    assert doctor.returncode == 0, doctor.stderr
+    report = json.loads(doctor.stdout)
+    assert sorted(p["name"] for p in report["patches"]) == four
+    assert "site-packages" in report["plugin"]["matrix"]
+    assert report["environment"]["torch"] is None  # no torch in this venv: doctor still works
+    installed = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
+                               cwd=root, env=clean_env)
+    assert installed.returncode == 0, installed.stderr
+    found = json.loads(installed.stdout)
+    assert found["names"] == four and "site-packages" in found["matrix"]
+    listed = subprocess.run([python, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
+                            timeout=120, cwd=root, env=clean_env)
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 4
+
+
+def test_pyproject_entry_points_match_the_builtin_table():
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    block = text.split('[project.entry-points."npu_fsdp_patches.patches"]')[1].split("\n[")[0]
+    declared = dict(re.findall(r'^(\w+) = "([^"]+)"', block, re.M))
+    sys.path.insert(0, str(REPO_ROOT))
+    from npu_fsdp_patches.loader import builtin_table
+    assert declared == builtin_table()
