@@ -4,6 +4,7 @@ import importlib
 import json
 import os
 import pickle
+import sys
 
 
 def main() -> None:
@@ -21,6 +22,11 @@ def main() -> None:
         dist.destroy_process_group()
     with open(os.environ["NPU_FSDP_RANK_RESULT"], "wb") as fh:
         pickle.dump(result, fh)
+    # Skip interpreter teardown: gloo's background threads can abort the process at exit
+    # ("terminate called without an active exception") after all work is done and reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,158 @@
+"""torch's own multi-tensor (foreach) Adam/AdamW step, run on the local shards of DTensor params.
+
+Why: under hyper-parallel's ``SkipDTensorDispatch`` a stock ``optimizer.step()`` on bf16 params can
+drift by one bf16 ulp from torch FSDP2 (seed issue_skip_dispatch_adamw_bf16.txt). torch FSDP2 on an
+accelerator runs ``_multi_tensor_adam``, because torch registers its own DTensor in
+``_foreach_supported_types``; hyper's DTensor is not registered, so ``foreach=None`` silently takes
+``_single_tensor_adam`` (reference/te_megatron_torch_facts.md §5; hyper_parallel_veomni_mindspeed_facts.md
+§1.2). Bit-exactness needs the *same kernel path*, not more precise math: ``_foreach_addcdiv_`` with a
+scalar list on the bf16 shards, never fp32 math followed by ``.to(bf16)``.
+
+So this module never re-implements the update. It calls torch's functional ``torch.optim.adam.adam``
+on plain local tensors (``to_local()`` for either DTensor flavour) with the implementation chosen
+explicitly, which follows the installed torch version op for op. The optimizer state keeps torch's own
+format (``step`` tensor, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so ``state_dict()`` and
+later plain ``step()`` calls are unaffected.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import adam as torch_adam
+from torch.optim.optimizer import (
+    _default_to_fused_or_foreach,
+    _device_dtype_check_for_fused,
+    _get_scalar_dtype,
+    _get_value,
+)
+
+from ._tensors import is_foreign_dtensor, local_tensor
+
+__all__ = ["foreach_adamw_step", "adam_on_local_shards", "torch_dtensor_implementation"]
+
+#: options whose op sequence differs from the foreach path torch FSDP2 runs by default
+_NOT_REPRODUCIBLE = {
+    "capturable": "the capturable branch of _multi_tensor_adam is a different op sequence",
+    "differentiable": "torch's foreach kernels do not support autograd",
+}
+
+
+def foreach_adamw_step(optimizer: torch.optim.Optimizer,
+                       closure: Optional[Callable[[], Any]] = None) -> Any:
+    """One step of a ``torch.optim.Adam``/``AdamW`` computed with torch's foreach kernels on local shards.
+
+    Equals ``torch.optim.AdamW(foreach=True).step()`` on torch DTensors (torch FSDP2) bit for bit, for
+    plain, torch-DTensor and hyper-parallel-DTensor params alike. Every group setting is honoured (lr
+    float or tensor, betas, eps, weight_decay, amsgrad, maximize, decoupled weight decay); a tensor lr or
+    beta is read as its Python value, exactly what torch's foreach path does with a float. A group built
+    with ``fused=True`` keeps torch's fused kernel on the local shards. ``capturable`` and
+    ``differentiable`` groups raise ``ValueError`` naming the option. Returns the closure's loss.
+    """
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError(f"foreach_adamw_step needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    for index, group in enumerate(optimizer.param_groups):
+        for option, why in _NOT_REPRODUCIBLE.items():
+            if group.get(option, False):
+                raise ValueError(f"foreach_adamw_step: param_groups[{index}] sets {option}=True, which it "
+                                 f"cannot reproduce exactly ({why}); build the optimizer with {option}=False")
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad():
+        for index, group in enumerate(optimizer.param_groups):
+            lists, has_complex = _init_group(optimizer, group, index)
+            beta1, beta2 = group["betas"]
+            fused = bool(group.get("fused"))
+            adam_on_local_shards(
+                torch_adam.adam, *lists,
+                foreach=not fused, fused=fused, capturable=False, differentiable=False,
+                grad_scale=getattr(optimizer, "grad_scale", None) if fused else None,
+                found_inf=getattr(optimizer, "found_inf", None) if fused else None,
+                has_complex=has_complex,
+                decoupled_weight_decay=group.get("decoupled_weight_decay",
+                                                 isinstance(optimizer, torch.optim.AdamW)),
+                amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+    return loss
+
+
+def adam_on_local_shards(adam_fn: Callable[..., None], params: list, grads: list, exp_avgs: list,
+                         exp_avg_sqs: list, max_exp_avg_sqs: list, state_steps: list, *,
+                         foreach: Optional[bool] = None, fused: Optional[bool] = None,
+                         **kwargs: Any) -> None:
+    """Call torch's functional ``adam`` (``adam_fn``) on the local shards of the given lists.
+
+    ``foreach``/``fused`` left as ``None`` are resolved the way torch resolves them for its *own*
+    DTensor params on the shards' device (:func:`torch_dtensor_implementation`), so a DTensor type
+    missing from torch's foreach-supported types no longer changes the kernel path. On the foreach path
+    a tensor lr/beta is passed as its Python value (torch's foreach path rejects tensors there).
+    """
+    local_params = [local_tensor(p) for p in params]
+    implementation = torch_dtensor_implementation(
+        local_params, foreach=foreach, fused=fused, lr=kwargs.get("lr"),
+        capturable=kwargs.get("capturable", False), differentiable=kwargs.get("differentiable", False))
+    if implementation == "foreach" and not kwargs.get("capturable", False):
+        for name in ("lr", "beta1", "beta2"):
+            if isinstance(kwargs.get(name), Tensor):
+                kwargs[name] = _get_value(kwargs[name])
+    adam_fn(local_params, [local_tensor(g) for g in grads], [local_tensor(t) for t in exp_avgs],
+            [local_tensor(t) for t in exp_avg_sqs], [local_tensor(t) for t in max_exp_avg_sqs],
+            list(state_steps), foreach=implementation == "foreach", fused=implementation == "fused",
+            **kwargs)
+
+
+def torch_dtensor_implementation(local_params: list, *, foreach: Optional[bool], fused: Optional[bool],
+                                 lr: Any = None, capturable: bool = False,
+                                 differentiable: bool = False) -> str:
+    """``"fused"``, ``"foreach"`` or ``"single"``: what torch's ``adam()`` runs for these flags on
+    params of torch's own types on the devices of ``local_params`` (torch/optim/adam.py ``adam``)."""
+    if fused:
+        return "fused"
+    if foreach is None:
+        _, foreach = _default_to_fused_or_foreach(local_params, differentiable, use_fused=False)
+        if foreach and isinstance(lr, Tensor) and not capturable:
+            foreach = False
+    return "foreach" if foreach else "single"
+
+
+def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tuple[tuple, bool]:
+    """Collect the group's params with grads and their state, creating state the way torch's
+    ``Adam._init_group`` does (torch/optim/adam.py): state tensors are ``zeros_like`` the param
+    (a torch DTensor for torch DTensor params; the local shard for hyper params, as torch creates it
+    under ``SkipDTensorDispatch``), ``step`` a CPU scalar unless fused."""
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+    has_complex = False
+    fused = bool(group.get("fused"))
+    for position, p in enumerate(group["params"]):
+        if p.grad is None:
+            continue
+        local_p, local_g = local_tensor(p), local_tensor(p.grad)
+        if local_g.is_sparse:
+            raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+        if local_g.shape != local_p.shape:
+            raise RuntimeError(f"param_groups[{index}]['params'][{position}]: grad local shape "
+                               f"{tuple(local_g.shape)} differs from the param's {tuple(local_p.shape)}")
+        has_complex |= torch.is_complex(local_p)
+        state = optimizer.state[p]
+        if len(state) == 0:
+            template = local_p if is_foreign_dtensor(p) else p
+            if fused:
+                _device_dtype_check_for_fused(local_p)
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=local_p.device)
+                             if fused else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+            state["exp_avg"] = torch.zeros_like(template, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(template, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(template, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        if group["amsgrad"]:
+            max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+        steps.append(state["step"])
+    return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), has_complex
+

@@ -1,0 +1,104 @@
+"""Patch ``hp_skip_dispatch_adamw``: torch Adam/AdamW under hyper-parallel's SkipDTensorDispatch
+computes exactly what torch FSDP2 computes (seed issue_skip_dispatch_adamw_bf16.txt; DESIGN §4.4).
+
+Target: torch's functional ``torch.optim.adam:adam``, which ``Adam.step`` and ``AdamW.step`` look up
+as a module global on every step. Wrapping it (instead of ``Adam.step``, which torch itself rewraps
+per class for profiling) covers every caller at once: a plain ``with SkipDTensorDispatch():
+optimizer.step()``, hyper's trainer, and the veomni fork's ``wrap_optimizer``, which captured the
+bound ``step`` before the patch was applied (reference/hyper_parallel_veomni_mindspeed_facts.md §2).
+
+Only when hyper's dispatch is off (``get_dtensor_dispatch() is False`` in
+``hyper_parallel.core.shard._op_dispatch``: the module global of the old generation and the ContextVar
+of the new one, §1.1) and a param is a hyper DTensor, the call is routed to
+``npu_fsdp_patches.optim.foreach_adamw.adam_on_local_shards``: torch's own ``adam`` on the
+``to_local()`` shards with foreach/fused resolved as torch resolves them for its own DTensor. Any
+other call, capturable/differentiable ones included, goes to the original untouched.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from npu_fsdp_patches.patch import Patch
+
+#: the dispatch switch lives here in both generations (§1.1, "Dispatch switch" row)
+DISPATCH_MODULE = "hyper_parallel.core.shard._op_dispatch"
+#: where each generation defines its DTensor (§1.1, "DTensor module" row) and the platform base (§1.2)
+DTENSOR_SOURCES = ("core/dtensor/dtensor.py", "core/dtensor.py", "platform/torch/dtensor.py")
+REGISTRY_NAME = "_foreach_supported_types"
+
+
+def skip_dispatch_active() -> bool:
+    """True inside hyper's SkipDTensorDispatch (either generation); never imports hyper."""
+    getter = getattr(sys.modules.get(DISPATCH_MODULE), "get_dtensor_dispatch", None)
+    return getter is not None and getter() is False
+
+
+def _foreach_types() -> list:
+    module = sys.modules.get("torch.optim.optimizer")  # the list _default_to_fused_or_foreach reads
+    return getattr(module, REGISTRY_NAME, [])
+
+
+class HpSkipDispatchAdamW(Patch):
+    name = "hp_skip_dispatch_adamw"
+
+    def replacement(self, symbol: str, original: Any) -> Any:
+        if not symbol.startswith("torch.optim.") or not symbol.endswith(":adam"):
+            raise ValueError(f"{self.name} has no replacement for {symbol}")
+        return routed_adam(original)
+
+    def upstream_registers_foreach_type(self) -> bool:
+        """Stand down when hyper-parallel registers its DTensor in torch's foreach-supported types
+        (``torch.optim.optimizer._foreach_supported_types``, where torch registers its own DTensor).
+
+        That is the root cause named in the seed: once registered, torch picks the same implementation
+        for hyper params as for its own DTensor, and under SkipDTensorDispatch every foreach op runs on
+        the local shards, so the stock step already equals torch FSDP2. Read from the loaded classes
+        when hyper is imported, else from its sources (the hook fires while torch is still importing,
+        so hyper must not be imported here). ``routed_adam`` re-checks the loaded type on every call.
+        """
+        if any(getattr(t, "__module__", "").startswith("hyper_parallel.") for t in _foreach_types()):
+            return True
+        spec = importlib.util.find_spec("hyper_parallel")
+        if spec is None or not spec.submodule_search_locations:
+            return False
+        for folder in spec.submodule_search_locations:
+            for relative in DTENSOR_SOURCES:
+                source = Path(folder, relative)
+                if source.is_file() and REGISTRY_NAME in source.read_text(encoding="utf-8", errors="replace"):
+                    return True
+        return False
+
+
+def routed_adam(original):
+    """Wrap torch's functional ``adam`` so hyper-DTensor steps under SkipDTensorDispatch go local."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def adam(*args, **kwargs):
+        if not skip_dispatch_active():
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        params = call["params"]
+        hyper_types = {type(p) for p in params if _is_hyper_dtensor(p)}
+        if (not hyper_types or call["capturable"] or call["differentiable"]
+                or hyper_types <= set(_foreach_types())):
+            return original(*args, **kwargs)
+        from npu_fsdp_patches.optim.foreach_adamw import adam_on_local_shards  # pylint: disable=C0415
+        lists = [call.pop(name) for name in ("params", "grads", "exp_avgs", "exp_avg_sqs",
+                                              "max_exp_avg_sqs", "state_steps")]
+        return adam_on_local_shards(original, *lists, **call)
+
+    adam.__npu_fsdp_patch__ = HpSkipDispatchAdamW.name
+    return adam
+
+
+def _is_hyper_dtensor(t: Any) -> bool:
+    from npu_fsdp_patches.optim._tensors import is_foreign_dtensor  # pylint: disable=C0415
+    return is_foreign_dtensor(t) and type(t).__module__.startswith("hyper_parallel.")
