@@ -1,0 +1,362 @@
+"""FP32 ``main_param`` wrapper for low-precision models (DESIGN §4.3, RFC 001 §7–§9).
+
+A bf16/fp16 model loses small updates when the optimizer writes straight into low-precision
+params. :class:`MainParamsOptimizer` gives every bf16/fp16 param its own fp32 ``main_param``,
+swaps it into the leaf optimizers' param groups (existing state moves with it), and runs
+
+    prepare_grads()          main_param.grad = p.main_grad (fp32) or p.grad.float(); p.grad = None
+    step_with_ready_grads()  leaf optimizers step on the main params, then main -> model params
+
+The update formulas of the leaf optimizers (AdamW, Muon, ...) are untouched: they simply see fp32
+params. FP32 params are their own main param (``p.main_param is p``), with no copy.
+
+Params may be plain tensors, torch DTensors (``fully_shard``) or hyper-parallel DTensors. Copies
+between model and main params go local shard to local shard, so no collective is added and
+hyper DTensors (whose ops fail outside ``SkipDTensorDispatch``) are never dispatched on.
+
+State dicts are keyed by model-param FQN (the layout of torch's ``get_optimizer_state_dict``), plus
+``_mixed_precision_optimizer.fp32_from_fp16_params = {fqn: fp32 main_param}`` for the
+low-precision params only. See :mod:`.main_params_checkpoint` for DCP save/load.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ._main_params_state import leaf_state_dict_by_fqn, load_leaf_state_dicts
+from ._tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
+
+MP_KEY = "_mixed_precision_optimizer"
+MAIN_PARAMS_KEY = "fp32_from_fp16_params"
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+__all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers"]
+
+
+def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The leaf optimizers behind ``optimizer``: one optimizer, a list/dict, or a chained optimizer.
+
+    Chained optimizers are recognised by ``chained_optimizers`` (hyper-parallel ChainedOptimizer)
+    or ``optimizers_dict`` (hyper-parallel, veomni MultiOptimizer).
+    """
+    if isinstance(optimizer, dict):
+        children = list(optimizer.values())
+    elif isinstance(optimizer, (list, tuple)):
+        children = list(optimizer)
+    elif getattr(optimizer, "chained_optimizers", None) is not None:
+        children = list(optimizer.chained_optimizers)
+    elif getattr(optimizer, "optimizers_dict", None) is not None:
+        children = list(optimizer.optimizers_dict.values())
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    else:
+        raise TypeError(f"expected a torch optimizer, a list/dict of optimizers or a chained "
+                        f"optimizer, got {type(optimizer).__name__}")
+    leaves = [leaf for child in children for leaf in leaf_optimizers(child)]
+    if not leaves:
+        raise ValueError("the chained optimizer holds no optimizers")
+    return leaves
+
+
+def _fp32_main_param(p: torch.Tensor) -> nn.Parameter:
+    """A new fp32 Parameter with ``p``'s values and layout (local shard copied, never gathered)."""
+    if is_foreign_dtensor(p):
+        local = local_tensor(p).detach().to(torch.float32, copy=True)
+        dt = type(p).from_local(local, p.device_mesh, p.placements)
+        return nn.Parameter(dt, requires_grad=p.requires_grad)
+    return nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+
+
+def _fp32_grad(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as fp32 with its layout kept; an fp32 grad is returned as is (no copy)."""
+    if grad.dtype == torch.float32:
+        return grad
+    if is_foreign_dtensor(grad):
+        return type(grad).from_local(local_tensor(grad).float(), grad.device_mesh, grad.placements)
+    if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
+        return type(grad).from_local(local_tensor(grad).float(), grad.device_mesh, grad.placements,
+                                     run_check=False, shape=grad.shape, stride=grad.stride())
+    return grad.float()
+
+
+class MainParamsOptimizer(torch.optim.Optimizer):
+    """Megatron-style fp32 main-param composition over one or more leaf optimizers.
+
+    Args:
+        optimizer: a torch optimizer, a list or dict of them, or a chained optimizer exposing
+            ``chained_optimizers``/``optimizers_dict``.
+        model: the module owning the params; gives every param its FQN (state-dict keys).
+
+    ``param_groups``, ``state`` and ``defaults`` read through to the leaf optimizers, so LR
+    schedulers and grad clipping keep working (the groups now hold the main params).
+    """
+
+    def __init__(self, optimizer: Any, model: nn.Module) -> None:
+        # torch.optim.Optimizer.__init__ is not called: params live in the leaf optimizers.
+        self.optimizer = optimizer
+        self.model = model
+        self.leaf_optimizers = leaf_optimizers(optimizer)
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+
+        fqn_by_id = {}
+        for name, p in model.named_parameters():
+            fqn_by_id.setdefault(id(p), name)
+        self.float16_groups: list[list[nn.Parameter]] = []
+        self.fp32_from_float16_groups: list[list[nn.Parameter]] = []
+        self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
+        self._model_param_by_id: dict[int, nn.Parameter] = {}   # optimizer (main) param -> model param
+        self._main_param_by_id: dict[int, nn.Parameter] = {}    # model param -> main param
+        self._fqn_by_id: dict[int, str] = {}                    # model or main param -> FQN
+        for leaf in self.leaf_optimizers:
+            for g, group in enumerate(leaf.param_groups):
+                self._wrap_group(leaf, g, group, fqn_by_id)
+        self._rebuild_param_caches()
+
+    # ---- construction -------------------------------------------------------------------------
+    def _wrap_group(self, leaf, g: int, group: dict, fqn_by_id: dict) -> None:
+        float16, fp32_from_float16, fp32_from_fp32 = [], [], []
+        for i, p in enumerate(group["params"]):
+            fqn = fqn_by_id.get(id(p))
+            where = f"param {i} of group {g} of {type(leaf).__name__}"
+            if fqn is None:
+                raise ValueError(f"{where} is not a parameter of the model, so it has no FQN")
+            if id(p) in self._main_param_by_id:
+                raise ValueError(f"parameter {fqn!r} appears in more than one param group")
+            if p.dtype in LOW_PRECISION:
+                main = _fp32_main_param(p)
+                group["params"][i] = main
+                if p in leaf.state:
+                    leaf.state[main] = leaf.state.pop(p)
+                float16.append(p)
+                fp32_from_float16.append(main)
+            elif p.dtype == torch.float32:
+                main = p
+                fp32_from_fp32.append(p)
+            else:
+                raise TypeError(f"parameter {fqn!r} has dtype {p.dtype}; MainParamsOptimizer "
+                                f"supports float16, bfloat16 and float32 params only")
+            p.main_param = main
+            self._model_param_by_id[id(main)] = p
+            self._main_param_by_id[id(p)] = main
+            self._fqn_by_id[id(p)] = self._fqn_by_id[id(main)] = fqn
+        self.float16_groups.append(float16)
+        self.fp32_from_float16_groups.append(fp32_from_float16)
+        self.fp32_from_fp32_groups.append(fp32_from_fp32)
+
+    def _rebuild_param_caches(self) -> None:
+        """Let optimizers that cache param identity (hyper-parallel Muon) see the main params.
+
+        A chained optimizer with ``reset_optimizer_parameters(mapping)`` gets the
+        main-param -> model-param mapping (hyper-parallel's contract); otherwise each leaf that
+        has ``reset_optimizer_parameters()`` rebuilds itself. A Muon-like leaf other than
+        ``torch.optim.Muon`` (which keys nothing but ``state`` by param) without that hook is
+        refused: its caches would still point at the bf16 params.
+        """
+        reset = getattr(self.optimizer, "reset_optimizer_parameters", None)
+        if reset is not None and self.optimizer not in self.leaf_optimizers:
+            reset({main: self._model_param_by_id[id(main)] for main in self._main_params()})
+            return
+        for leaf in self.leaf_optimizers:
+            if callable(getattr(leaf, "reset_optimizer_parameters", None)):
+                leaf.reset_optimizer_parameters()
+            elif "muon" in type(leaf).__name__.lower() and type(leaf) is not torch.optim.Muon:
+                raise TypeError(
+                    f"{type(leaf).__module__}.{type(leaf).__name__} caches parameter identity and "
+                    f"has no reset_optimizer_parameters(); after the swap to fp32 main params its "
+                    f"caches would still reference the low-precision params. Use torch.optim.Muon "
+                    f"or a Muon that implements reset_optimizer_parameters().")
+
+    # ---- iteration helpers -----------------------------------------------------------------------
+    def _low_precision_pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            yield from zip(model_group, main_group)
+
+    def _fp32_params(self) -> Iterator[nn.Parameter]:
+        for group in self.fp32_from_fp32_groups:
+            yield from group
+
+    def _main_params(self) -> Iterator[nn.Parameter]:
+        for leaf in self.leaf_optimizers:
+            for group in leaf.param_groups:
+                yield from group["params"]
+
+    def model_param(self, main_param: torch.Tensor) -> nn.Parameter:
+        """The model param that ``main_param`` (an optimizer param) stands for."""
+        return self._model_param_by_id[id(main_param)]
+
+    def main_param(self, model_param: torch.Tensor) -> nn.Parameter:
+        """The optimizer param (main param) of ``model_param``."""
+        return self._main_param_by_id[id(model_param)]
+
+    def fqn(self, param: torch.Tensor) -> str:
+        """The model FQN of a model param or of its main param."""
+        return self._fqn_by_id[id(param)]
+
+    # ---- Optimizer surface ---------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for leaf in self.leaf_optimizers for group in leaf.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for leaf in self.leaf_optimizers for p, s in leaf.state.items()}
+
+    @property
+    def defaults(self) -> dict:
+        return dict(self.leaf_optimizers[0].defaults)
+
+    def __repr__(self) -> str:
+        leaves = ", ".join(type(leaf).__name__ for leaf in self.leaf_optimizers)
+        return f"{type(self).__name__}({leaves})"
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError("add param groups to the leaf optimizer before wrapping it")
+
+    # ---- step lifecycle --------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_grads(self) -> None:
+        """Hand each main param its fp32 grad: ``main_grad`` first, else ``grad.float()``."""
+        for model_param, main_param in self._low_precision_pairs():
+            grad = getattr(model_param, "main_grad", None)
+            if grad is None:
+                grad = model_param.grad
+            main_param.grad = None if grad is None else _fp32_grad(grad)
+            model_param.grad = None
+        for p in self._fp32_params():
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is not None:
+                p.grad = _fp32_grad(main_grad)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Step the leaf optimizers on the main params, then copy main -> model params."""
+        if isinstance(self.optimizer, (list, tuple, dict)):
+            for leaf in self.leaf_optimizers:
+                leaf.step()
+        else:
+            self.optimizer.step()   # a chained optimizer keeps its own step order
+        self._copy_main_params_to_model_params()
+        return True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.prepare_grads()
+        self.step_with_ready_grads()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the main params' grads and the model params' ``grad`` and ``main_grad``."""
+        for leaf in self.leaf_optimizers:
+            leaf.zero_grad(set_to_none=set_to_none)
+        for model_param, _ in self._low_precision_pairs():
+            _clear_grads(model_param, set_to_none)
+        for p in self._fp32_params():
+            _clear_grads(p, set_to_none)
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        pairs = list(self._low_precision_pairs())
+        if pairs:
+            torch._foreach_copy_([local_tensor(m) for m, _ in pairs],
+                                 [local_tensor(f) for _, f in pairs])
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model params (loses fp32 tails; RFC §8.3)."""
+        pairs = list(self._low_precision_pairs())
+        if pairs:
+            torch._foreach_copy_([local_tensor(f) for _, f in pairs],
+                                 [local_tensor(m) for m, _ in pairs])
+
+    # ---- state dict --------------------------------------------------------------------------
+    def main_params_by_fqn(self) -> dict[str, nn.Parameter]:
+        """``{fqn: fp32 main param}`` for the low-precision params only."""
+        return {self.fqn(model): main for model, main in self._low_precision_pairs()}
+
+    def state_dict(self) -> dict:
+        """Leaf-optimizer state keyed by model FQN plus the fp32 main params of bf16/fp16 params."""
+        sd = leaf_state_dict_by_fqn(self.leaf_optimizers, self.fqn)
+        sd[MP_KEY] = {MAIN_PARAMS_KEY: self.main_params_by_fqn()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from :meth:`state_dict` or a plain FQN-keyed optimizer state dict.
+
+        With every main param present they are restored exactly (no bf16 round trip, no
+        :meth:`reload_model_params`). Without the ``_mixed_precision_optimizer`` section the main
+        params are rebuilt from the model params, with a warning. A partial section raises
+        before anything is loaded, listing every missing FQN.
+        """
+        saved_main = self.check_main_params_complete(state_dict)
+        load_leaf_state_dicts(self.leaf_optimizers, state_dict, self.fqn)   # validates, then loads
+        if saved_main is None:
+            self.reload_model_params()
+            if any(True for _ in self._low_precision_pairs()):
+                warnings.warn(
+                    "optimizer state has no _mixed_precision_optimizer.fp32_from_fp16_params: the fp32 "
+                    "main params were rebuilt from the low-precision model params, so the fp32 tails "
+                    "lost at the last cast cannot be recovered", UserWarning, stacklevel=2)
+            return
+        with torch.no_grad():
+            for fqn, main in self.main_params_by_fqn().items():
+                _copy_local(main, saved_main[fqn], fqn)
+
+    def check_main_params_complete(self, state_dict: dict) -> dict | None:
+        """The saved ``{fqn: main param}`` section, None when absent; raise if it is partial."""
+        section = state_dict.get(MP_KEY)
+        if section is None:
+            return None
+        saved = section.get(MAIN_PARAMS_KEY, {})
+        missing = [fqn for fqn in self.main_params_by_fqn() if fqn not in saved]
+        if missing:
+            raise_partial_main_params(missing)
+        return saved
+
+
+def raise_partial_main_params(missing: Iterable[str]) -> None:
+    missing = sorted(missing)
+    raise ValueError(
+        f"checkpoint is incomplete: {MP_KEY}.{MAIN_PARAMS_KEY} lacks the fp32 main params of "
+        f"{len(missing)} parameter(s): {', '.join(missing)}. Refusing to load (nothing was "
+        f"written) rather than silently rebuilding them from the low-precision model params.")
+
+
+def _clear_grads(p: torch.Tensor, set_to_none: bool) -> None:
+    for attr in ("grad", "main_grad"):
+        value = getattr(p, attr, None)
+        if value is None:
+            continue
+        if set_to_none:
+            setattr(p, attr, None)
+        else:
+            with torch.no_grad():
+                local_tensor(value).zero_()
+    if hasattr(p, "grad_added_to_main_grad"):
+        p.grad_added_to_main_grad = False
+
+
+def _copy_local(dst: torch.Tensor, src: torch.Tensor, fqn: str) -> None:
+    dst_local, src_local = local_tensor(dst), local_tensor(src)
+    if dst_local is src_local:
+        return
+    if dst_local.shape != src_local.shape:
+        raise ValueError(f"main param {fqn!r}: saved local shape {tuple(src_local.shape)} does not "
+                         f"match {tuple(dst_local.shape)}; load sharded checkpoints through "
+                         f"load_checkpoint (DCP reshards)")
+    dst_local.copy_(src_local)
+
+
+#: Megatron / hyper-parallel name of the same wrapper.
+Float16OptimizerWithFloat16Params = MainParamsOptimizer

@@ -1,0 +1,94 @@
+"""Trainer-config check and model dtype cast for fp32 main params (RFC 001 §5.2, §6).
+
+``validate_fp32_main_params_config`` runs before any model is built: fp32 main params need fp32
+gradient reduction, and the config is never rewritten to get it. ``apply_model_init_dtype`` casts
+a built (possibly FSDP-sharded) model to ``model_init_dtype`` without replacing any Parameter,
+so optimizer param routing, sharing and DTensor layouts stay valid.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ._tensors import is_any_dtensor
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def _get(node: Any, key: str) -> Any:
+    if node is None:
+        return None
+    if isinstance(node, Mapping):
+        return node.get(key)
+    return getattr(node, key, None)
+
+
+def _as_dtype(value: Any, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.lower().removeprefix("torch.")]
+    raise ValueError(f"{what}={value!r} is not a dtype; use float16, bfloat16, float32 or null")
+
+
+def validate_fp32_main_params_config(config: Any) -> None:
+    """Raise ``ValueError`` when ``optimizer.fp32_main_params`` is on without fp32 reduction.
+
+    ``config`` is the trainer config as a mapping (or attribute object). The error names both
+    ``optimizer.fp32_main_params`` and ``fsdp_config.mix_precision.reduce_dtype``.
+    """
+    if not _get(_get(config, "optimizer"), "fp32_main_params"):
+        return
+    reduce_dtype = _get(_get(_get(config, "fsdp_config"), "mix_precision"), "reduce_dtype")
+    try:
+        ok = _as_dtype(reduce_dtype, "fsdp_config.mix_precision.reduce_dtype") == torch.float32
+    except ValueError:
+        ok = False
+    if not ok:
+        found = "is not set" if reduce_dtype is None else f"is {reduce_dtype!r}"
+        raise ValueError(
+            f"optimizer.fp32_main_params=true requires fsdp_config.mix_precision.reduce_dtype="
+            f"'float32', but fsdp_config.mix_precision.reduce_dtype {found}; set it explicitly "
+            f"(it is never filled in automatically)")
+
+
+def _layout(t: torch.Tensor) -> tuple | None:
+    if not is_any_dtensor(t):
+        return None
+    return (id(t.device_mesh), tuple(t.placements))
+
+
+def apply_model_init_dtype(model: nn.Module, dtype: Any) -> nn.Module:
+    """Cast floating params and buffers of ``model`` to ``dtype`` in place (None: no-op).
+
+    Integer and bool buffers are left alone. Parameter objects, and DTensor meshes and
+    placements, are kept; this is checked afterwards and a violation raises ``RuntimeError``.
+    FSDP2 modules refresh their padded shard storage through their own ``_apply`` hook.
+    """
+    dtype = _as_dtype(dtype, "model_init_dtype")
+    if dtype is None:
+        return model
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"model_init_dtype={dtype} is not one of float16, bfloat16, float32")
+    before = {name: (p, _layout(p)) for name, p in model.named_parameters()}
+    int_buffers = {name: (b, b.dtype) for name, b in model.named_buffers()
+                   if not b.is_floating_point()}
+    model.to(dtype)   # Module.to(dtype) casts floating tensors only, via param.data = ...
+    after = dict(model.named_parameters())
+    for name, (p, layout) in before.items():
+        if after.get(name) is not p:
+            raise RuntimeError(f"apply_model_init_dtype replaced parameter {name!r}")
+        if _layout(p) != layout:
+            raise RuntimeError(f"apply_model_init_dtype changed the DTensor layout of {name!r}")
+        if p.is_floating_point() and p.dtype != dtype:
+            raise RuntimeError(f"parameter {name!r} is {p.dtype} after the cast to {dtype}")
+    for name, b in model.named_buffers():
+        if name in int_buffers and b.dtype != int_buffers[name][1]:
+            raise RuntimeError(f"apply_model_init_dtype changed the dtype of buffer {name!r}")
+        if b.is_floating_point() and b.dtype != dtype:
+            raise RuntimeError(f"buffer {name!r} is {b.dtype} after the cast to {dtype}")
+    return model

@@ -1,0 +1,87 @@
+"""hp_fp32_main_params: ``optimizer.fp32_main_params: true`` for hyper-parallel builds without the wrapper.
+
+hyper-parallel later shipped ``Float16OptimizerWithFloat16Params``
+(``hyper_parallel.components.optim.mixed_precision_optimizer``, reference §1.5) and a trainer that
+checks the config and wraps the optimizer (§1.6). Older builds silently drop the key, so a bf16
+model keeps losing small updates. This patch routes the trainer into npu_fsdp_patches.optim:
+
+* ``BaseTrainer.__init__``: ``validate_fp32_main_params_config`` before any model is built;
+* ``BaseTrainer._build_optimizer``: wrap the built optimizer in ``MainParamsOptimizer``;
+* ``BaseTrainer.save_checkpoint``/``load_checkpoint`` (optional targets): DCP with the fp32 main
+  params and the RFC §9.3 load branches.
+
+It stands down where the upstream wrapper module exists. torch and the optim package are imported
+inside the replacements only (the hook fires right after the trainer module is imported).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+from npu_fsdp_patches.patch import Patch
+
+_UPSTREAM_MODULE = "hyper_parallel.components.optim.mixed_precision_optimizer"
+
+
+def _fp32_main_params_on(config: Any) -> bool:
+    node = config.get("optimizer") if isinstance(config, dict) else getattr(config, "optimizer", None)
+    if node is None:
+        return False
+    return bool(node.get("fp32_main_params") if isinstance(node, dict)
+                else getattr(node, "fp32_main_params", False))
+
+
+class HpFp32MainParams(Patch):
+    name = "hp_fp32_main_params"
+
+    def upstream_has_wrapper(self) -> bool:
+        """True when hyper-parallel ships its own FP32 main-param wrapper (stand down)."""
+        try:
+            return importlib.util.find_spec(_UPSTREAM_MODULE) is not None
+        except ModuleNotFoundError:   # a parent package is missing
+            return False
+
+    def replacement(self, symbol: str, original: Any) -> Any:
+        attr = symbol.rsplit(".", 1)[-1]
+        factory = {"__init__": _init, "_build_optimizer": _build_optimizer,
+                   "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}.get(attr)
+        if factory is None:
+            raise ValueError(f"hp_fp32_main_params has no replacement for {symbol}")
+        return functools.wraps(original)(factory(original))
+
+
+def _init(original):
+    def __init__(self, config, *args, **kwargs):
+        from npu_fsdp_patches.optim import validate_fp32_main_params_config
+        validate_fp32_main_params_config(config)      # before the model is built; never rewrites
+        return original(self, config, *args, **kwargs)
+    return __init__
+
+
+def _build_optimizer(original):
+    def _build_optimizer(self, *args, **kwargs):
+        optimizer = original(self, *args, **kwargs)
+        if not _fp32_main_params_on(self.config):
+            return optimizer
+        from npu_fsdp_patches.optim import MainParamsOptimizer
+        return MainParamsOptimizer(optimizer, self.model)
+    return _build_optimizer
+
+
+def _save_checkpoint(original):
+    def save_checkpoint(self, path, *args, **kwargs):
+        from npu_fsdp_patches.optim import MainParamsOptimizer, save_checkpoint as save
+        if not isinstance(self.optimizer, MainParamsOptimizer):
+            return original(self, path, *args, **kwargs)
+        return save(path, self.model, self.optimizer)
+    return save_checkpoint
+
+
+def _load_checkpoint(original):
+    def load_checkpoint(self, path, *args, load_optimizer: bool = True, **kwargs):
+        from npu_fsdp_patches.optim import MainParamsOptimizer, load_checkpoint as load
+        if not isinstance(self.optimizer, MainParamsOptimizer):
+            return original(self, path, *args, **kwargs)
+        return load(path, self.model, self.optimizer, load_optimizer=load_optimizer)
+    return load_checkpoint
