@@ -10,6 +10,7 @@ import sys
 from typing import Any, NamedTuple
 
 from .matrix import Target
+from .stale import rebind_module_refs
 
 
 class TargetNotFound(LookupError):
@@ -50,6 +51,18 @@ def resolve(target: Target) -> Resolved:
     return Resolved(target, owner, attr, getattr(owner, attr), True)
 
 
+def _wraps(value: Any, replacement: Any, depth: int = 8) -> bool:
+    """``value`` is ``replacement``, or a functools.wraps wrapper around it (torch's optimizer step
+    profiling wrapper is installed on the class the first time an optimizer is built)."""
+    for _ in range(depth):
+        if value is replacement:
+            return True
+        value = getattr(value, "__wrapped__", None)
+        if value is None:
+            return False
+    return False
+
+
 def _current(resolved: Resolved) -> Any:
     owner, attr = resolved.owner, resolved.attr
     if isinstance(owner, type):
@@ -67,7 +80,7 @@ class Registry:
         """True when the live attribute is a replacement this registry installed."""
         entry = self._saved.get(resolved.target.symbol)
         return (entry is not None and entry.installed and entry.resolved.owner is resolved.owner
-                and _current(entry.resolved) is entry.replacement)
+                and _wraps(_current(entry.resolved), entry.replacement))
 
     def install(self, patch: str, resolved: Resolved, replacement: Any) -> None:
         entry = self._saved.get(resolved.target.symbol)
@@ -83,14 +96,27 @@ class Registry:
         if entry is None or not entry.installed:
             return None
         resolved = entry.resolved
-        if _current(resolved) is not entry.replacement:
+        if not _wraps(_current(resolved), entry.replacement):
             return f"{symbol} was replaced by someone else after apply; left alone"
         if resolved.had_own:
             setattr(resolved.owner, resolved.attr, resolved.original)
         else:
             delattr(resolved.owner, resolved.attr)
         entry.installed = False
+        if not any(e.installed and e.replacement is entry.replacement for e in self._saved.values()):
+            rebind_module_refs(entry.replacement, resolved.original)
         return None
+
+    def underlying(self, value: Any) -> Any:
+        """The original behind ``value`` when ``value`` is one of our installed replacements.
+
+        A module that ran ``from x import f`` after ``x.f`` was patched holds our replacement; patching
+        that copy must wrap, and revert must restore, the real original, never our wrapper.
+        """
+        for entry in self._saved.values():
+            if entry.installed and entry.replacement is value:
+                return entry.resolved.original
+        return value
 
     def owner_patch(self, symbol: str) -> str | None:
         """The patch whose replacement is installed at ``symbol`` now, if any."""

@@ -67,13 +67,18 @@ def doctor_text(report: dict) -> str:
 
 
 def self_test_lines(result: dict) -> list:
-    if "error" in result and not result.get("results"):
+    """Schema of npu_fsdp_patches.optim.self_test.run_self_test (or {"passed": False, "error": ...})."""
+    if result.get("error"):
         return [f"FAILED: {result['error']}"]
-    out = [f"device {result.get('device')}: {'PASS' if result.get('passed') else 'FAIL'}"]
-    for item in result.get("results", []):
+    out = [f"{result.get('device')}, {result.get('steps')} AdamW steps vs {result.get('reference')}: "
+           f"{'PASS' if result.get('passed') else 'FAIL'}"]
+    for dtype, item in (result.get("dtypes") or {}).items():
+        text = f"{dtype}: {'pass' if item.get('passed') else 'FAIL'}, {item.get('mismatches')} mismatches"
         first = item.get("first_mismatch")
-        text = f"{item.get('dtype')}: {'pass' if item.get('passed') else 'FAIL'}"
-        out.append(text + (f" (first mismatch {first})" if first else ""))
+        if first:
+            text += (f"; first at step {first.get('step')} {first.get('tensor')}{first.get('index')}: "
+                     f"expected {first.get('expected')} got {first.get('got')}")
+        out.append(text)
     return out
 
 

@@ -194,6 +194,8 @@ class Runtime:
                 owner = self.registry.owner_patch(item.target.symbol)
                 if owner not in (None, record.name):
                     raise PatchError(f"{item.target.symbol} is already patched by {owner}")
+                if item.had_own:  # an inherited attribute is the base's live behaviour: keep it wrapped
+                    item = item._replace(original=self.registry.underlying(item.original))
                 self.registry.install(record.name, item, patch.replacement(item.target.symbol, item.original))
                 done.append(item)
         except Exception as exc:

@@ -114,3 +114,30 @@ emit(untouched=vars(demo_target.Engine)["run"].__qualname__ == "Engine.run"
     assert result["untouched"] is True
     assert "ImportHookFinder" not in result["meta_path"]
     assert {tuple(v) for v in result["states"].values()} == {("disabled", "NPU_FSDP_PATCHES=0 (kill switch)")}
+
+
+def test_revert_also_restores_copies_made_after_the_patch(tmp_path):
+    result, _ = run_demo(tmp_path, """
+import npu_fsdp_patches, demo_target
+import demo_target.late                      # `from demo_target import greet` after the patch
+patched = demo_target.late.greet("x")
+npu_fsdp_patches.revert("demo_shout")
+emit(patched=patched, restored=demo_target.late.greet("x"),
+     same=demo_target.late.greet is demo_target.greet)
+""")
+    assert result == {"patched": "hello x!", "restored": "hello x", "same": True}
+
+
+def test_revert_sees_through_wraps_wrappers_and_leaves_foreign_replacements(tmp_path):
+    result, _ = run_demo(tmp_path, """
+import functools, npu_fsdp_patches, demo_target
+patched_run = vars(demo_target.Engine)["run"]
+demo_target.Engine.run = functools.wraps(patched_run)(lambda self, x: patched_run(self, x))  # like torch's step hook
+foreign = lambda name: "foreign"
+demo_target.greet = foreign
+records_after = npu_fsdp_patches.revert("demo_shout")
+emit(run=demo_target.Engine().run(1), greet_is_foreign=demo_target.greet is foreign,
+     error=records_after[0]["error"])
+""")
+    assert result["run"] == 2 and result["greet_is_foreign"] is True
+    assert result["error"] == "demo_target:greet was replaced by someone else after apply; left alone"

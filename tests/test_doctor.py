@@ -115,3 +115,23 @@ def test_python_dash_m_entry(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
                           env={**demo_env(site), "PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("demo_shout")
+
+
+def test_doctor_self_test_passes_and_a_broken_step_gives_exit_1(tmp_path):
+    code = """
+import json, sys
+from npu_fsdp_patches.cli import main
+from npu_fsdp_patches.optim import self_test
+if {broken}:
+    self_test.foreach_adamw_step = self_test._fp32_then_round_step   # the rejected fp32-then-round fix
+rc = main(["doctor", "--json", "--self-test"])
+print("RC", rc)
+"""
+    site = install_fixture("core_demo", tmp_path)
+    for broken, expected in ((False, 0), (True, 1)):
+        proc = run_python(code.format(broken=broken), paths=[site], env=demo_env(site))
+        rc_line = proc.stdout.strip().splitlines()[-1]
+        report = json.loads(proc.stdout[:proc.stdout.rindex("RC ")])
+        assert rc_line == f"RC {expected}"
+        assert report["self_test"]["passed"] is (not broken)
+        assert report["self_test"]["dtypes"]["bfloat16"]["passed"] is (not broken)
