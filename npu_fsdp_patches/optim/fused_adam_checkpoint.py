@@ -1,0 +1,104 @@
+"""FusedAdam ``state_dict`` / ``load_state_dict`` with DTensor metadata (RFC §3.3.9, NVTE >= 2.14).
+
+Saving exports every float state as unscaled fp32 and re-wraps it with the param's mesh, placements,
+global shape and stride, so ``torch.distributed.checkpoint`` can save it and reshard it on load. The
+int16 remainder of a plain bf16 param is exported raw, as TE does.
+
+Loading maps the saved entries to the current params by position, converts every saved value to the
+param's local shard *before* anything is changed (a bad entry raises with nothing half-loaded), lets
+``torch.optim.Optimizer`` restore the param groups, then stores each value back in its configured
+dtype with a fresh scale.
+"""
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+from ._tensors import is_torch_dtensor
+from .fused_adam_state import (STATE_NAMES, describe, get_unscaled, local, set_scaled,
+                               uses_remainders, wrap_like)
+
+
+def _flat(groups):
+    return list(chain.from_iterable(g["params"] for g in groups))
+
+
+def export_state(opt, packed: dict) -> dict:
+    """Rewrite ``packed`` (from ``torch.optim.Optimizer.state_dict``) with unscaled, wrapped states."""
+    id_map = dict(zip(_flat(packed["param_groups"]), _flat(opt.param_groups)))
+    for key, entry in list(packed["state"].items()):
+        param = id_map.get(key)
+        if param is None:
+            continue
+        packed["state"][key] = {
+            name: (wrap_like(param, get_unscaled(opt, param, name))
+                   if name in STATE_NAMES and torch.is_tensor(value) else value)
+            for name, value in entry.items()}
+    return packed
+
+
+def _saved_to_local(opt, param, name: str, value: torch.Tensor) -> torch.Tensor:
+    """One saved state as a tensor shaped like ``param``'s local shard, on its device."""
+    loc = local(param)
+    if is_torch_dtensor(param):
+        if is_torch_dtensor(value):
+            if value.shape != param.shape:
+                raise RuntimeError(f"FusedAdam.load_state_dict: saved {name} of "
+                                   f"{describe(opt, param)} has global shape "
+                                   f"{tuple(value.shape)}, expected {tuple(param.shape)}")
+            if value.placements != param.placements or value.device_mesh != param.device_mesh:
+                value = value.redistribute(param.device_mesh, param.placements)
+            value = value._local_tensor
+        elif value.shape == param.shape:
+            from torch.distributed.tensor import distribute_tensor
+            value = distribute_tensor(value.to(loc.device), param.device_mesh, param.placements,
+                                      src_data_rank=None)._local_tensor
+        elif value.shape != loc.shape:
+            raise RuntimeError(f"FusedAdam.load_state_dict: saved {name} of {describe(opt, param)} "
+                               f"has shape {tuple(value.shape)}; expected the global shape "
+                               f"{tuple(param.shape)} or the local shape {tuple(loc.shape)}")
+    else:
+        if is_torch_dtensor(value):
+            value = value.full_tensor()
+        if value.shape != param.shape:
+            raise RuntimeError(f"FusedAdam.load_state_dict: saved {name} of {describe(opt, param)} "
+                               f"has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+    remainder = name == "master_param" and opt.master_weights and uses_remainders(opt, param)
+    if remainder != (value.dtype == torch.int16):
+        raise RuntimeError(f"FusedAdam.load_state_dict: saved {name} of {describe(opt, param)} is "
+                           f"{value.dtype}, but this optimizer "
+                           f"{'stores' if remainder else 'does not store'} int16 param remainders")
+    return value.to(device=loc.device, dtype=torch.int16 if remainder else torch.float32)
+
+
+def import_state(opt, state_dict: dict) -> None:
+    """Load ``state_dict`` (from :func:`export_state`, possibly through DCP) into ``opt``."""
+    saved_ids = _flat(state_dict["param_groups"])
+    params = _flat(opt.param_groups)
+    if len(saved_ids) != len(params):
+        raise ValueError(f"FusedAdam.load_state_dict: the state dict has {len(saved_ids)} params, "
+                         f"the optimizer has {len(params)}")
+    id_map = dict(zip(saved_ids, params))
+    prepared = {}
+    for key, entry in state_dict["state"].items():
+        param = id_map.get(key)
+        if param is None:
+            raise KeyError(f"FusedAdam.load_state_dict: state entry {key!r} matches no param")
+        prepared[param] = {
+            name: (_saved_to_local(opt, param, name, value)
+                   if name in STATE_NAMES and torch.is_tensor(value) else value)
+            for name, value in entry.items() if value is not None}
+    torch.optim.Optimizer.load_state_dict(
+        opt, {"state": {}, "param_groups": state_dict["param_groups"]})
+    for group in opt.param_groups:
+        if "step" in group:
+            group["step"] = int(group["step"])
+    for param, entry in prepared.items():
+        opt.state[param] = {}
+        opt._scales.pop(param, None)
+        for name, value in entry.items():
+            if name in STATE_NAMES and torch.is_tensor(value):
+                set_scaled(opt, param, name, value)
+            else:
+                opt.state[param][name] = value

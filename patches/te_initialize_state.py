@@ -1,0 +1,40 @@
+"""Patch ``te_initialize_state_compat``: one-argument ``initialize_state(param)`` on TE >= 2.1.
+
+Megatron-Core calls ``opt.initialize_state(p)`` (init_state_fn, 0.11 ... main), but TE >= 2.1 made
+``store_param_remainders`` a required positional (te_megatron_torch_facts §1.3, §3.2). The
+replacement makes the argument optional: ``None`` derives the value from the optimizer's own
+configuration (remainders only for bf16 params with fp32 master weights, TE's step rule), an explicit
+value that contradicts it raises ``ValueError``, and the original method is called with the value.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from npu_fsdp_patches.patch import Patch
+
+from .te_fused_adam import _MODULE, graft, unpatched
+
+
+def _initialize_state(original):
+    def initialize_state(self, param, store_param_remainders=None):
+        from npu_fsdp_patches.optim.fused_adam_state import resolve_remainders
+        return original(self, param, resolve_remainders(self, param, store_param_remainders))
+    return initialize_state
+
+
+class TeInitializeStateCompat(Patch):
+    name = "te_initialize_state_compat"
+
+    def replacement(self, symbol: str, original: Any) -> Any:
+        if not symbol.endswith(".initialize_state") or not callable(original):
+            raise ValueError(f"{self.name}: no replacement for {symbol}")
+        return graft(self.name, "initialize_state", original, _initialize_state)
+
+    def upstream_has_default(self) -> bool:
+        """True when ``store_param_remainders`` is absent (TE < 2.1) or already has a default."""
+        import importlib
+        cls = importlib.import_module(_MODULE).FusedAdam
+        fn = unpatched(cls.__dict__.get("initialize_state", cls.initialize_state))
+        param = inspect.signature(fn).parameters.get("store_param_remainders")
+        return param is None or param.default is not inspect.Parameter.empty
