@@ -18,15 +18,13 @@ def _path(text: str | None, width: int) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
-def _state(record: dict) -> str:
-    if record["state"] == "skipped" and record.get("note"):
-        return "skipped: upstream has it"
-    return record["state"]
-
-
 def _why(record: dict) -> str:
-    """The decision reason, or for a failure the error, which is what the reader needs then."""
-    return record["error"] if record["state"] == "failed" and record["error"] else record["reason"]
+    """What the reader needs after the state: the error, the stand-down, or the decision reason."""
+    if record["state"] == "failed" and record["error"]:
+        return record["error"]
+    if record["state"] == "skipped" and record.get("note"):
+        return record["note"]
+    return record["reason"]
 
 
 def doctor_text(report: dict) -> str:
@@ -46,14 +44,14 @@ def doctor_text(report: dict) -> str:
             lines.append(f"  {name:<19} not installed")
             continue
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
-        extra += f" commit {fw['commit'][:12]}" if fw["commit"] else ""
+        extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
         head = f"  {name:<19} {str(fw['version']) + extra:<24} {fw['source']:<9} "
         lines.append(head + _path(fw["location"], WIDTH - len(head)))
     lines += ["", f"Patches (matrix: {_path(plugin['matrix'], WIDTH - 19)})"]
     if plugin["config_error"]:
         lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
     for r in report["patches"]:
-        lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {_state(r):<10} {_why(r)}"))
+        lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {r['state']:<10} {_why(r)}"))
     if report.get("self_test") is not None:
         lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
     if report["warnings"]:
@@ -86,7 +84,8 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     lines = [fit(f"{spec.name}: {spec.summary}")]
     if record is not None:
         lines += [fit(f"  decision  {record['decision']}: {record['reason']}"),
-                  fit(f"  state     {_state(record)}" + (f": {record['error']}" if record["error"] else ""))]
+                  fit(f"  state     {record['state']}" + (f": {_why(record)}" if record["state"] in
+                                                             ("failed", "skipped") else ""))]
     if doc:
         lines += ["", "What it changes:"] + [fit("  " + line) for line in doc.strip().splitlines()]
     lines += ["", "Targets:"] + [f"  {t.symbol}" + ("  (optional)" if t.optional else "") for t in spec.targets]
