@@ -3,7 +3,9 @@
 Fixture distributions live in ``tests/fixtures/<name>/`` laid out like a site-packages folder
 (the package plus a real ``<dist>-<version>.dist-info`` with METADATA and, where needed,
 entry_points.txt). Tests never import them directly from the repo: ``install_fixture`` copies one
-onto a temporary path, which a subprocess then gets on ``PYTHONPATH``.
+onto a temporary path, which a subprocess then gets on ``PYTHONPATH``. A fixture may list, in a
+``FIXTURE_INCLUDES`` file, shared fixture folders to lay down first (both hyper-parallel generations
+share their platform layer this way).
 """
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ def install_fixture(name: str, dest: Path) -> Path:
     """Copy fixture distribution ``name`` into ``dest/name`` and return that site folder."""
     site = Path(dest) / name
     if not site.exists():
-        shutil.copytree(FIXTURES / name, site,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        includes = FIXTURES / name / "FIXTURE_INCLUDES"
+        parts = includes.read_text().split() if includes.exists() else []
+        for part in [*parts, name]:
+            shutil.copytree(FIXTURES / part, site, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "FIXTURE_INCLUDES"))
     return site
 
 
