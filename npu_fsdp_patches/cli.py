@@ -27,11 +27,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _patch_doc(name: str) -> str | None:
+    """The patch class's docstring, else its module's: what the patch changes."""
     value = RUNTIME._implementations.get(name) or loader.available().get(name)
     try:
-        return type(loader.load_patch(value)).__doc__ if value else None
+        patch_class = type(loader.load_patch(value)) if value else None
     except Exception:  # noqa: BLE001 - explain still works without the docstring
         return None
+    if patch_class is None:
+        return None
+    return patch_class.__doc__ or getattr(sys.modules.get(patch_class.__module__), "__doc__", None)
 
 
 def main(argv: list | None = None) -> int:

@@ -1,6 +1,7 @@
 """Human text for doctor, explain and list; every line fits in 100 columns."""
 from __future__ import annotations
 
+import textwrap
 from typing import Iterable
 
 from .decide import check_condition
@@ -80,15 +81,45 @@ def self_test_lines(result: dict) -> list:
     return out
 
 
+def wrap(text: str, indent: str = "  ") -> list:
+    """Long prose wrapped at WIDTH instead of cut, continuation lines indented."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False) or [""]
+
+
+def reflow(doc: str) -> list:
+    """A docstring's paragraphs and bullet items re-wrapped at WIDTH, indented two spaces."""
+    out, item = [], []
+
+    def flush() -> None:
+        if item:
+            bullet = item[0].startswith(("* ", "- "))
+            out.extend(textwrap.wrap(" ".join(item), WIDTH, initial_indent="  ",
+                                     subsequent_indent="    " if bullet else "  ",
+                                     break_long_words=False, break_on_hyphens=False))
+            item.clear()
+
+    for line in textwrap.dedent(doc).strip().splitlines():
+        text = line.strip()
+        if not text or text.startswith(("* ", "- ")):
+            flush()
+        if not text:
+            out.append("")
+        else:
+            item.append(text)
+    flush()
+    return out
+
+
 def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: str | None) -> str:
-    lines = [fit(f"{spec.name}: {spec.summary}")]
+    lines = wrap(f"{spec.name}: {spec.summary}")
     if record is not None:
         lines += [fit(f"  decision  {record['decision']}: {record['reason']}"),
                   fit(f"  state     {record['state']}" + (f": {_why(record)}" if record["state"] in
                                                              ("failed", "skipped") else ""))]
     if doc:
-        lines += ["", "What it changes:"] + [fit("  " + line) for line in doc.strip().splitlines()]
-    lines += ["", "Targets:"] + [f"  {t.symbol}" + ("  (optional)" if t.optional else "") for t in spec.targets]
+        lines += ["", "What it changes:"] + reflow(doc)
+    lines += ["", "Targets (? = optional, absent in some framework generations):"]
+    lines += [f"  {t.symbol}" + ("?" if t.optional else "") for t in spec.targets]
     lines += ["", "Gate (enabled when every condition of any one alternative holds):"]
     for i, alternative in enumerate(spec.gate, 1):
         for j, cond in enumerate(alternative):
@@ -101,9 +132,9 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
         lines.append("Verified: " + "; ".join(f"{fw} {', '.join(v)}" for fw, v in spec.verified.items()))
     for key, value in spec.upstream.items():
         value = ", ".join(value) if isinstance(value, list) else value
-        lines.append(fit(f"Upstream {key}: {value}"))
+        lines += wrap(f"Upstream {key}: {value}")
     if spec.facts:
-        lines.append(fit(f"Facts: {spec.facts}"))
+        lines += wrap(f"Facts: {spec.facts}")
     return "\n".join(lines)
 
 

@@ -99,7 +99,7 @@ def test_explain_and_list(tmp_path):
     out = proc.stdout
     assert out.startswith("demo_shout: append ! to greet and scale Engine.run\n")
     assert "  [1] yes demo-framework 1.2.0 matches >=1.0" in out
-    assert "  demo_target:Engine.gone  (optional)" in out
+    assert "  demo_target:Engine.gone?" in out
     assert "Appends '!' to greet() and multiplies Engine.run by 10." in out
     assert "Upstream fix: demo commit abc123" in out and "Upstream issues: demo#1" in out
     assert max(len(line) for line in out.splitlines()) <= 100
