@@ -135,3 +135,23 @@ print("RC", rc)
         assert rc_line == f"RC {expected}"
         assert report["self_test"]["passed"] is (not broken)
         assert report["self_test"]["dtypes"]["bfloat16"]["passed"] is (not broken)
+
+
+def test_explain_every_shipped_patch_fits_100_columns():
+    code = """
+import contextlib, io, json
+from npu_fsdp_patches.cli import main
+out = {}
+for name in ("te_fused_adam_dtensor", "te_initialize_state_compat", "hp_fp32_main_params",
+             "hp_skip_dispatch_adamw"):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["explain", name])
+    out[name] = [rc, buf.getvalue()]
+print(json.dumps(out))
+"""
+    out = json.loads(run_python(code).stdout.splitlines()[-1])
+    for name, (rc, text) in out.items():
+        assert rc == 0, name
+        assert "What it changes:" in text and "Upstream " in text and "Facts: " in text, name
+        assert max(len(line) for line in text.splitlines()) <= 100, name
