@@ -16,7 +16,7 @@ import json, tempfile, warnings
 import torch
 from torch import nn
 import npu_fsdp_patches
-from hyper_parallel.trainer.base import BaseTrainer
+from __TRAINER_MODULE__ import BaseTrainer
 
 class LM(nn.Module):
     def __init__(self):
@@ -74,8 +74,8 @@ print("RESULT" + json.dumps(out))
 """
 
 
-def _run(site, env):
-    proc = run_python(TRAIN, paths=[site], env=env, timeout=180)
+def _run(site, env, trainer_module="hyper_parallel.trainer.base"):
+    proc = run_python(TRAIN.replace("__TRAINER_MODULE__", trainer_module), paths=[site], env=env, timeout=180)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
 
@@ -111,3 +111,18 @@ def test_stands_down_when_upstream_wrapper_exists(tmp_path):
     out = _run(site, {})
     assert out["state"] == "skipped"
     assert out["optimizer"] == "ChainedOptimizer"
+
+
+def test_patch_covers_the_older_auto_models_trainer_path(tmp_path):
+    """Builds before the trainer moved keep it at hyper_parallel/auto_models/trainer (reference §1.6)."""
+    site = install_fixture("hyper_parallel_new", tmp_path)
+    package = Path(site) / "hyper_parallel"
+    (package / "auto_models").mkdir()
+    (package / "auto_models" / "__init__.py").write_text('"""temp copy: the older trainer location"""\n')
+    (package / "trainer").rename(package / "auto_models" / "trainer")
+    out = _run(site, {"NPU_FSDP_PATCHES_ENABLE": "hp_fp32_main_params"},
+               trainer_module="hyper_parallel.auto_models.trainer.base")
+    assert out["state"] == "applied"
+    assert out["optimizer"] == "MainParamsOptimizer"
+    assert out["models_built_for_bad_configs"] == 0
+    assert out["head_main_changed"] is True and out["resume_loss_equal"] is True
