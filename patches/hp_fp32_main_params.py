@@ -69,19 +69,29 @@ def _build_optimizer(original):
     return _build_optimizer
 
 
+def _routes_to_dcp(trainer) -> bool:
+    """Our DCP checkpoint for a wrapped optimizer over torch-DTensor/plain params. A model of hyper
+    DTensors stays on the trainer's own (hyper) checkpointer, which serializes the wrapper's
+    FQN-keyed ``state_dict`` including the main params; torch DCP cannot shard hyper DTensors."""
+    from npu_fsdp_patches.optim import MainParamsOptimizer
+    from npu_fsdp_patches.optim._tensors import is_foreign_dtensor
+    return (isinstance(trainer.optimizer, MainParamsOptimizer)
+            and not any(is_foreign_dtensor(p) for p in trainer.model.parameters()))
+
+
 def _save_checkpoint(original):
     def save_checkpoint(self, path, *args, **kwargs):
-        from npu_fsdp_patches.optim import MainParamsOptimizer, save_checkpoint as save
-        if not isinstance(self.optimizer, MainParamsOptimizer):
+        if not _routes_to_dcp(self):
             return original(self, path, *args, **kwargs)
+        from npu_fsdp_patches.optim import save_checkpoint as save
         return save(path, self.model, self.optimizer)
     return save_checkpoint
 
 
 def _load_checkpoint(original):
-    def load_checkpoint(self, path, *args, load_optimizer: bool = True, **kwargs):
-        from npu_fsdp_patches.optim import MainParamsOptimizer, load_checkpoint as load
-        if not isinstance(self.optimizer, MainParamsOptimizer):
+    def load_checkpoint(self, path, *args, **kwargs):
+        if not _routes_to_dcp(self):
             return original(self, path, *args, **kwargs)
-        return load(path, self.model, self.optimizer, load_optimizer=load_optimizer)
+        from npu_fsdp_patches.optim import load_checkpoint as load
+        return load(path, self.model, self.optimizer, load_optimizer=kwargs.get("load_optimizer", True))
     return load_checkpoint

@@ -12,7 +12,9 @@ params. FP32 params are their own main param (``p.main_param is p``), with no co
 
 Params may be plain tensors, torch DTensors (``fully_shard``) or hyper-parallel DTensors. Copies
 between model and main params go local shard to local shard, so no collective is added and
-hyper DTensors (whose ops fail outside ``SkipDTensorDispatch``) are never dispatched on.
+hyper DTensors (whose ops fail outside ``SkipDTensorDispatch``) are never dispatched on: only the
+leaf optimizers' step needs that context (``with SkipDTensorDispatch(): opt.step()``, as hyper's
+trainer runs it); construction, ``prepare_grads``, ``zero_grad`` and the state dict work outside.
 
 State dicts are keyed by model-param FQN (the layout of torch's ``get_optimizer_state_dict``), plus
 ``_mixed_precision_optimizer.fp32_from_fp16_params = {fqn: fp32 main_param}`` for the
@@ -65,9 +67,13 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 def _fp32_main_param(p: torch.Tensor) -> nn.Parameter:
     """A new fp32 Parameter with ``p``'s values and layout (local shard copied, never gathered)."""
     if is_foreign_dtensor(p):
-        local = local_tensor(p).detach().to(torch.float32, copy=True)
-        dt = type(p).from_local(local, p.device_mesh, p.placements)
-        return nn.Parameter(dt, requires_grad=p.requires_grad)
+        # nn.Parameter(dt) would call dt.detach(), an op hyper-parallel dispatches (and refuses
+        # outside SkipDTensorDispatch). Build the leaf on the local shard instead, wrap it (the
+        # wrapper takes requires_grad from it), and flag it as nn.Parameter does for subclasses.
+        local = local_tensor(p).detach().to(torch.float32, copy=True).requires_grad_(p.requires_grad)
+        main = type(p).from_local(local, p.device_mesh, p.placements)
+        main._is_param = True   # isinstance(main, nn.Parameter), see torch.nn.parameter._ParameterMeta
+        return main
     return nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
 
 
@@ -259,7 +265,14 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the main params' grads and the model params' ``grad`` and ``main_grad``."""
         for leaf in self.leaf_optimizers:
-            leaf.zero_grad(set_to_none=set_to_none)
+            params = [p for group in leaf.param_groups for p in group["params"]]
+            if not set_to_none and any(is_foreign_dtensor(p.grad) for p in params):
+                # torch would call zero_() on the hyper DTensor grads, which hyper refuses outside
+                # SkipDTensorDispatch: zero their local shards instead (same result, no dispatch).
+                for p in params:
+                    _clear_grads(p, set_to_none=False)
+            else:
+                leaf.zero_grad(set_to_none=set_to_none)
         for model_param, _ in self._low_precision_pairs():
             _clear_grads(model_param, set_to_none)
         for p in self._fp32_params():

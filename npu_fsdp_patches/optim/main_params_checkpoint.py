@@ -10,6 +10,11 @@ Checkpoint layout (one ``torch.distributed.checkpoint`` save)::
 main params present -> restore them exactly; section absent -> plain optimizer checkpoint, main
 params rebuilt from the model with a warning; some missing -> raise before anything is written.
 DTensor entries are resharded by DCP, so a checkpoint loads at another world size.
+
+Only plain tensors and torch DTensors: DCP does not know hyper-parallel DTensors (their ops fail
+outside ``SkipDTensorDispatch``; inside it DCP sees only local shards and would save each as the
+whole tensor), so models holding them are refused up front; their
+``MainParamsOptimizer.state_dict()`` goes through hyper-parallel's own checkpointer.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ._tensors import is_foreign_dtensor
 from .main_params import MAIN_PARAMS_KEY, MP_KEY, MainParamsOptimizer, raise_partial_main_params
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
@@ -34,12 +40,24 @@ def _optimizer_state_dict(model: nn.Module, optimizer: Any) -> dict:
     return get_optimizer_state_dict(model, optimizer)   # same FQN layout, no main params
 
 
+def _refuse_foreign_dtensors(model: nn.Module) -> None:
+    for fqn, p in model.named_parameters():
+        if is_foreign_dtensor(p):
+            cls = type(p)
+            raise TypeError(
+                f"parameter {fqn!r} is a {cls.__module__}.{cls.__name__}, which "
+                f"torch.distributed.checkpoint does not understand (it sees only the local shard). "
+                f"Save the model and MainParamsOptimizer.state_dict() with "
+                f"hyper-parallel's own checkpointer (hyper_parallel.core.distributed_checkpoint).")
+
+
 def save_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any) -> None:
     """Write model, leaf-optimizer state and fp32 main params with one DCP save.
 
     ``optimizer`` is a :class:`MainParamsOptimizer`, or any torch optimizer (list) for a plain
     optimizer checkpoint in the same FQN layout.
     """
+    _refuse_foreign_dtensors(model)
     state = {"model": model.state_dict(), "optimizer": _optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=checkpoint_id)
 
@@ -87,6 +105,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module,
     ``reload_model_params``). Every check runs on the checkpoint metadata before anything is
     written into ``model`` or ``optimizer``.
     """
+    _refuse_foreign_dtensors(model)
     keys = _saved_keys(checkpoint_id)
     model_sd = model.state_dict()
     missing_model = sorted(k for k in model_sd if not _has(keys, f"model.{k}"))
