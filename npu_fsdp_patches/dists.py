@@ -107,8 +107,22 @@ def _non_directory_entries() -> Iterator[InstalledDist]:
         yield _MetadataDist(dist)
 
 
+_SCANNED: dict = {}
+
+
 def installed() -> dict:
-    """normalized name -> first InstalledDist in sys.path order (what ``import`` would see)."""
+    """normalized name -> first InstalledDist in sys.path order (what ``import`` would see).
+
+    Scanned once per distinct ``sys.path`` (activation asks twice: detection and entry points).
+    """
+    key = tuple(sys.path)
+    if key not in _SCANNED:
+        _SCANNED.clear()
+        _SCANNED[key] = _scan_index()
+    return _SCANNED[key]
+
+
+def _scan_index() -> dict:
     index: dict = {}
     for dist in list(_scan_dirs()) + list(_non_directory_entries()):
         match = _INFO.match(os.path.basename(dist.info_path)) if dist.info_path else None

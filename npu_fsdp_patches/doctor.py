@@ -68,9 +68,14 @@ def import_targets() -> list:
     for record in RUNTIME.records.values():
         if not record.decision.enabled:
             continue
-        for module in RUNTIME.matrix.patches[record.name].target_modules:
+        spec = RUNTIME.matrix.patches[record.name]
+        for module in spec.target_modules:
+            optional = all(t.optional for t in spec.targets if t.module == module)
             try:
                 importlib.import_module(module)
+            except ModuleNotFoundError:
+                if not optional:   # an optional module belongs to another framework generation
+                    errors.append(f"import {module}: not found")
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
                 errors.append(f"import {module}: {type(exc).__name__}: {exc}")
     return errors
