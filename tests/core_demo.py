@@ -16,6 +16,15 @@ def emit(**values):
     print("RESULT " + json.dumps(values, default=str))
 """
 
+#: child body that imports the plugin and reports what (if anything) the import raised
+IMPORT_PLUGIN = """
+try:
+    import npu_fsdp_patches
+    emit(raised=False)
+except Exception as exc:
+    emit(raised=type(exc).__name__, message=str(exc))
+"""
+
 
 def demo_env(site: Path, matrix: str = "demo_matrix.yaml", **extra: str) -> dict:
     env = {"NPU_FSDP_PATCHES_MATRIX": str(site / matrix)}

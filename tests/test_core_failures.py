@@ -1,5 +1,5 @@
 """Failure policy (DESIGN §3.6) and env toggles (§3.2), each in a fresh interpreter."""
-from tests.core_demo import run_demo
+from tests.core_demo import IMPORT_PLUGIN, run_demo
 
 FAILING = "demo_matrix_failing.yaml"
 
@@ -83,13 +83,7 @@ emit(greet=demo_target.greet("x"), status=npu_fsdp_patches.status())
 
 
 def test_invalid_env_value_raises_in_strict_mode(tmp_path):
-    result, _ = run_demo(tmp_path, """
-try:
-    import npu_fsdp_patches
-    emit(raised=False)
-except Exception as exc:
-    emit(raised=type(exc).__name__, message=str(exc))
-""", NPU_FSDP_PATCHES="maybe", NPU_FSDP_PATCHES_STRICT="1")
+    result, _ = run_demo(tmp_path, IMPORT_PLUGIN, NPU_FSDP_PATCHES="maybe", NPU_FSDP_PATCHES_STRICT="1")
     assert result["raised"] == "ConfigError"
     assert result["message"].startswith("NPU_FSDP_PATCHES='maybe' is not valid; accepted values: 0 or 1")
 

@@ -3,7 +3,7 @@ import pytest
 
 from npu_fsdp_patches.errors import MatrixError
 from npu_fsdp_patches.matrix import load_matrix, parse_matrix
-from tests.core_demo import run_demo
+from tests.core_demo import IMPORT_PLUGIN, run_demo
 
 GOOD = """\
 schema_version: 1
@@ -73,12 +73,6 @@ emit(status=npu_fsdp_patches.status(), greet=demo_target.greet("x"))
 def test_unknown_patch_in_matrix_is_a_matrix_error(tmp_path):
     bad = tmp_path / "unknown.yaml"
     bad.write_text(GOOD)
-    result, proc = run_demo(tmp_path, """
-try:
-    import npu_fsdp_patches
-    emit(raised=False)
-except Exception as exc:
-    emit(raised=type(exc).__name__, message=str(exc))
-""", NPU_FSDP_PATCHES_MATRIX=str(bad), NPU_FSDP_PATCHES_STRICT="1")
+    result, proc = run_demo(tmp_path, IMPORT_PLUGIN, NPU_FSDP_PATCHES_MATRIX=str(bad), NPU_FSDP_PATCHES_STRICT="1")
     assert result["raised"] == "MatrixError"
     assert result["message"].startswith(f"{bad}:5 at patches.p1: unknown patch 'p1'")
