@@ -33,12 +33,13 @@ def is_any_dtensor(t: object) -> bool:
     return is_torch_dtensor(t) or is_foreign_dtensor(t)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: exact types that are plain tensors (no DTensor flavour), for fast type checks on hot paths
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor of either flavour (no autograd hop), or ``t`` itself."""
-    if type(t) in _PLAIN:   # fast path: optimizers call this per tensor on every step
+    if type(t) in PLAIN_TYPES:   # fast path: optimizers call this per tensor on every step
         return t
     if is_torch_dtensor(t):
         return t._local_tensor

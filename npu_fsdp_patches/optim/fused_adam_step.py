@@ -20,13 +20,12 @@ from typing import List
 
 import torch
 
-from ._tensors import is_foreign_dtensor, torch_dtensor_type
+from ._tensors import PLAIN_TYPES, is_foreign_dtensor, torch_dtensor_type
 from .fused_adam_state import (FLOAT_DTYPES, check_dtensor_param, check_grad, get_unscaled,
                                initialize, local, set_scaled, state_dtype)
 
 _F32 = torch.float32
 _DT_DTYPES = frozenset(FLOAT_DTYPES)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _fused_devices() -> List[str]:
@@ -130,7 +129,7 @@ def _step_group(opt, group: dict) -> None:
         grad = _grad_of(opt, p)
         if dtensor_cls is not None and isinstance(p, dtensor_cls):
             pl = p._local_tensor
-            if (dt_config_bad or pl.dtype not in _DT_DTYPES or type(pl) not in _PLAIN
+            if (dt_config_bad or pl.dtype not in _DT_DTYPES or type(pl) not in PLAIN_TYPES
                     or (dt_no_bf16 and pl.dtype == torch.bfloat16)
                     or any(pl_.is_partial() for pl_ in p._spec.placements)):
                 check_dtensor_param(opt, p)  # raises, naming the param and the reason

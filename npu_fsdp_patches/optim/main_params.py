@@ -279,19 +279,20 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             _clear_grads(p, set_to_none)
 
     @torch.no_grad()
-    def _copy_main_params_to_model_params(self) -> None:
+    def _copy_pairs(self, *, to_model: bool) -> None:
+        """Copy local shard to local shard between model and main params, in either direction."""
         pairs = list(self._low_precision_pairs())
         if pairs:
-            torch._foreach_copy_([local_tensor(m) for m, _ in pairs],
-                                 [local_tensor(f) for _, f in pairs])
+            models = [local_tensor(m) for m, _ in pairs]
+            mains = [local_tensor(f) for _, f in pairs]
+            torch._foreach_copy_(*((models, mains) if to_model else (mains, models)))
 
-    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        self._copy_pairs(to_model=True)
+
     def reload_model_params(self) -> None:
         """Refresh the fp32 main params from the model params (loses fp32 tails; RFC §8.3)."""
-        pairs = list(self._low_precision_pairs())
-        if pairs:
-            torch._foreach_copy_([local_tensor(f) for _, f in pairs],
-                                 [local_tensor(m) for m, _ in pairs])
+        self._copy_pairs(to_model=False)
 
     # ---- state dict --------------------------------------------------------------------------
     def main_params_by_fqn(self) -> dict[str, nn.Parameter]:
