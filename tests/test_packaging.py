@@ -52,6 +52,14 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
     shutil.rmtree(src)  # nothing may depend on the source tree any more
+    meta = subprocess.run([python, "-c", "import importlib.metadata as m; d = m.distribution('npu-fsdp-patches'); "
+                           "import npu_fsdp_patches as n; print(d.version == n.__version__); "
+                           "print(d.metadata['License-Expression']); print(*(d.files or []), sep='\\n')"],
+                          capture_output=True, text=True, timeout=120, cwd=root, env=clean_env)
+    same_version, license_expr, *files = meta.stdout.splitlines()
+    assert same_version == "True"  # one home for the version: npu_fsdp_patches.__version__
+    assert license_expr == "Apache-2.0"  # SPDX expression, not the deprecated license table
+    assert any(f.endswith("licenses/LICENSE") for f in files), files
 
     doctor = subprocess.run([venv / "bin" / "npu-fsdp-patches", "doctor", "--json"], capture_output=True,
                             text=True, timeout=300, cwd=root, env=clean_env)
