@@ -23,7 +23,8 @@ def test_doctor_json_healthy_schema_and_exit_0(tmp_path):
     report = json.loads(proc.stdout)
     assert (report["schema"], report["schema_version"], report["exit_code"]) == ("npu-fsdp-patches/doctor", 1, 0)
     assert set(report) == {"schema", "schema_version", "plugin", "environment", "frameworks", "patches",
-                           "warnings", "self_test", "exit_code"}
+                           "errors", "warnings", "self_test", "exit_code"}
+    assert report["errors"] == []
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"].startswith("2.")
     assert report["frameworks"]["demo"]["version"] == "1.2.0"
     shout = next(p for p in report["patches"] if p["name"] == "demo_shout")
@@ -84,13 +85,52 @@ def test_doctor_import_reports_unimportable_torch_npu(tmp_path):
     fake = tmp_path / "fake_npu"
     make_dist(fake, "torch_npu", "2.8.0.post2",
               {"torch_npu/__init__.py": "raise ImportError('libascendcl.so: cannot open shared object file')\n"})
-    report = json.loads(cli(tmp_path, "doctor", "--json", extra_paths=[fake]).stdout)
-    assert report["environment"]["torch_npu"] == {"installed": True, "version": "2.8.0.post2",
-                                                  "importable": None, "import_error": None}
-    report = json.loads(cli(tmp_path, "doctor", "--json", "--import", extra_paths=[fake]).stdout)
-    npu = report["environment"]["torch_npu"]
-    assert npu["importable"] is False
-    assert npu["import_error"] == "ImportError: libascendcl.so: cannot open shared object file"
+    for args in (("doctor", "--json"), ("doctor", "--json", "--import")):
+        proc = cli(tmp_path, *args, extra_paths=[fake])
+        report = json.loads(proc.stdout)
+        assert report["environment"]["torch_npu"] == {
+            "installed": True, "version": "2.8.0.post2", "importable": False,
+            "import_error": "ImportError: libascendcl.so: cannot open shared object file"}, args
+        assert proc.returncode == 1 and report["exit_code"] == 1, args
+
+
+def _broken_npu_sites(tmp_path):
+    """The torch_npu-without-CANN stand-in plus hyper-parallel, whose patch targets import torch."""
+    return [install_fixture("torch_npu_broken", tmp_path), install_fixture("hyper_parallel_new", tmp_path)]
+
+
+def test_doctor_with_torch_npu_but_no_cann_never_crashes_and_says_what_to_do(tmp_path):
+    sites = _broken_npu_sites(tmp_path)
+    for args in (("doctor", "--json", "--import"), ("doctor",)):
+        proc = cli(tmp_path, *args, extra_paths=sites, NPU_FSDP_PATCHES_MATRIX="")
+        assert proc.returncode == 1, (args, proc.returncode, proc.stderr[-2000:])
+        if "--json" not in args:
+            assert "Errors\n  - torch_npu 2.8.0.post2 is installed but cannot be imported: ImportError: " \
+                   "libhccl.so" in proc.stdout
+            continue
+        report = json.loads(proc.stdout)
+        env = report["environment"]
+        assert env["torch"].startswith("2.") and env["device"] is None
+        assert env["torch_npu"]["importable"] is False
+        assert env["torch_npu"]["import_error"] == ("ImportError: libhccl.so: cannot open shared object file: "
+                                                    "No such file or directory")
+        # the device probe ran with the user's environment: torch's autoload tried torch_npu there
+        assert "Failed to load the backend extension: torch_npu" in env["device_error"]
+        assert "libhccl.so" in report["errors"][0] and "set_env.sh" in report["errors"][0]
+        states = {p["name"]: p["state"] for p in report["patches"]}
+        assert states["hp_skip_dispatch_adamw"] != "applied"  # never claimed in a process without torch
+        assert report["errors"][1].startswith("patch targets not imported: `import torch` fails")
+
+
+def test_probe_children_get_the_autoload_switch_the_process_started_with(tmp_path):
+    code = """
+import os
+import npu_fsdp_patches.doctor as doctor
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"     # what a failed torch_npu import leaves behind
+print(doctor.user_environment().get("TORCH_DEVICE_BACKEND_AUTOLOAD"))
+"""
+    assert run_python(code).stdout.split() == ["None"]
+    assert run_python(code, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}).stdout.split() == ["1"]
 
 
 def test_explain_and_list(tmp_path):
