@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _patch_doc(name: str) -> str | None:
     """The patch class's docstring, else its module's: what the patch changes."""
-    value = RUNTIME._implementations.get(name) or loader.available().get(name)
+    provider = RUNTIME._implementations.get(name) or loader.available().get(name)
+    value = provider.value if provider else None
     try:
         patch_class = type(loader.load_patch(value)) if value else None
     except Exception:  # noqa: BLE001 - explain still works without the docstring

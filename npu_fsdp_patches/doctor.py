@@ -221,7 +221,8 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
         "patches": records,
         "errors": environment_errors(env) + import_failed,
-        "warnings": warnings_for(records) + environment_warnings(env) + import_errors,
+        "warnings": (warnings_for(records) + list(RUNTIME.provider_conflicts.values())
+                     + environment_warnings(env) + import_errors),
         "self_test": None,
     }
     if RUNTIME.matrix is not None:

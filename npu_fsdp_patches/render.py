@@ -28,6 +28,13 @@ def _why(record: dict) -> str:
     return record["reason"]
 
 
+def _code(provenance: dict | None) -> str:
+    if not provenance:
+        return "none (see the error above)"
+    where = f"{provenance['distribution'] or 'unknown distribution'} {provenance['version'] or '(unknown version)'}"
+    return f"{where} built-in" if provenance["builtin"] else f"{where} entry point {provenance['value']}"
+
+
 def doctor_text(report: dict) -> str:
     plugin, env = report["plugin"], report["environment"]
     npu = env["torch_npu"]
@@ -53,6 +60,8 @@ def doctor_text(report: dict) -> str:
         lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
     for r in report["patches"]:
         lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {r['state']:<10} {_why(r)}"))
+    lines += ["", "Patch code (distribution and version)"] + [
+        fit(f"  {r['name']:<27} {_code(r.get('provenance'))}") for r in report["patches"]]
     if report.get("self_test") is not None:
         lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
     for title, items in (("Errors", report.get("errors") or []), ("Warnings", report["warnings"])):

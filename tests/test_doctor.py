@@ -195,3 +195,13 @@ print(json.dumps(out))
         assert rc == 0, name
         assert "What it changes:" in text and "Upstream " in text and "Facts: " in text, name
         assert max(len(line) for line in text.splitlines()) <= 100, name
+
+
+def test_doctor_shows_each_patch_provenance(tmp_path):
+    proc = cli(tmp_path, "doctor")
+    lines = proc.stdout.splitlines()
+    start = lines.index("Patch code (distribution and version)")
+    assert lines[start + 1] == "  demo_shout                  demo-patches 0.1.0 entry point demo_patches:Shout"
+    report = json.loads(cli(tmp_path, "doctor", "--json").stdout)
+    assert report["patches"][0]["provenance"] == {"value": "demo_patches:Shout", "distribution": "demo-patches",
+                                                  "version": "0.1.0", "builtin": False}
