@@ -18,7 +18,7 @@ from . import __version__
 from .detect import detect_framework, distribution_index
 from .matrix import FrameworkSpec
 from .runtime import RUNTIME
-from .settings import PREFIX
+from .settings import PREFIX, strict_requested
 
 # The platform doctor always reports, whether or not the matrix names it (DESIGN §3.5).
 _TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
@@ -199,6 +199,17 @@ def warnings_for(records: list) -> list:
     return out
 
 
+def plugin_section() -> dict:
+    """The plugin's own state, shared by every JSON document the CLI prints."""
+    settings = RUNTIME.settings
+    return {"version": __version__, "active": settings.active and RUNTIME.config_error is None,
+            "matrix": RUNTIME.matrix.path if RUNTIME.matrix else settings.matrix_path,
+            "config_error": RUNTIME.config_error,
+            "strict": settings.strict or (RUNTIME.config_error is not None and strict_requested(os.environ)),
+            "disable": sorted(settings.disable) + (["*"] if settings.disable_all else []),
+            "enable": sorted(settings.enable)}
+
+
 def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
     """The full doctor report; ``exit_code`` is 0 healthy, 1 a patch or the platform failed, 2 bad configuration."""
     RUNTIME.ensure_prepared()
@@ -212,11 +223,7 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
     settings = RUNTIME.settings
     report = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-        "plugin": {"version": __version__, "active": settings.active and RUNTIME.config_error is None,
-                   "matrix": RUNTIME.matrix.path if RUNTIME.matrix else settings.matrix_path,
-                   "config_error": RUNTIME.config_error, "strict": settings.strict,
-                   "disable": sorted(settings.disable) + (["*"] if settings.disable_all else []),
-                   "enable": sorted(settings.enable)},
+        "plugin": plugin_section(),
         "environment": env,
         "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
         "patches": records,

@@ -205,3 +205,54 @@ def test_doctor_shows_each_patch_provenance(tmp_path):
     report = json.loads(cli(tmp_path, "doctor", "--json").stdout)
     assert report["patches"][0]["provenance"] == {"value": "demo_patches:Shout", "distribution": "demo-patches",
                                                   "version": "0.1.0", "builtin": False}
+
+
+def _entry(tmp_path, entry, *args, **env):
+    """Run the real console script or ``python -m npu_fsdp_patches`` (how users start the CLI)."""
+    import os
+    from pathlib import Path
+    site = install_fixture("core_demo", tmp_path)
+    start = ([str(Path(sys.executable).parent / "npu-fsdp-patches")] if entry == "script"
+             else [sys.executable, "-m", "npu_fsdp_patches"])
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
+    child_env.update(demo_env(site), PYTHONPATH=str(site), **env)
+    return subprocess.run(start + list(args), capture_output=True, text=True, env=child_env, timeout=300)
+
+
+def test_strict_mode_with_a_config_error_gives_exit_2_and_complete_json_for_every_command(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: [\n")
+    for entry, args, env in (("script", ("doctor", "--json"), {"NPU_FSDP_PATCHES_LOG": "loud"}),
+                             ("module", ("list", "--json"), {"NPU_FSDP_PATCHES_MATRIX": str(bad)}),
+                             ("script", ("explain", "demo_shout", "--json"), {"NPU_FSDP_PATCHES_MATRIX": str(bad)})):
+        proc = _entry(tmp_path, entry, *args, NPU_FSDP_PATCHES_STRICT="1", **env)
+        assert proc.returncode == 2, (entry, args, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+        report = json.loads(proc.stdout)
+        assert report["exit_code"] == 2 and report["plugin"]["strict"] is True
+        expected = "NPU_FSDP_PATCHES_LOG='loud'" if "NPU_FSDP_PATCHES_LOG" in env else f"{bad}:2: YAML error"
+        assert report["plugin"]["config_error"].startswith(expected), report["plugin"]
+    proc = _entry(tmp_path, "module", "list", NPU_FSDP_PATCHES_STRICT="1", NPU_FSDP_PATCHES_MATRIX=str(bad))
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("YAML error: did not find expected node content")
+    healthy = json.loads(_entry(tmp_path, "module", "list", "--json").stdout)
+    assert healthy["exit_code"] == 0 and [p["name"] for p in healthy["patches"]][0] == "demo_shout"
+
+
+def test_version_and_help_without_rst_markup(tmp_path):
+    proc = _entry(tmp_path, "script", "--version")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "npu-fsdp-patches 0.1.0")
+    proc = _entry(tmp_path, "module", "-h")
+    assert proc.returncode == 0 and "``" not in proc.stdout and "--version" in proc.stdout
+
+
+def test_doctor_wraps_long_warnings_instead_of_cutting_them_and_prints_each_once():
+    from npu_fsdp_patches.render import doctor_text
+    long_error = "import x: RuntimeError: " + "word " * 40 + "THE-END"
+    report = {"plugin": {"version": "0", "matrix": "m.yaml", "config_error": None},
+              "environment": {"python": "3", "platform": "p", "torch": "2", "device": "cpu", "device_error": None,
+                              "torch_npu": {"installed": False}},
+              "frameworks": {}, "patches": [], "errors": [], "warnings": [long_error, long_error], "exit_code": 0}
+    lines = doctor_text(report).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert sum(line.startswith("  - import x") for line in lines) == 1
+    assert "THE-END" in "".join(lines) and not any(line.endswith("…") for line in lines)
