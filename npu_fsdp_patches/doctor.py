@@ -229,6 +229,7 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         "patches": records,
         "errors": environment_errors(env) + import_failed,
         "warnings": (warnings_for(records) + list(RUNTIME.provider_conflicts.values())
+                     + [f"{name}: {fw.note}" for name, fw in RUNTIME.frameworks.items() if fw.note]
                      + environment_warnings(env) + import_errors),
         "self_test": None,
     }

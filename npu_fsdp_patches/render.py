@@ -49,7 +49,8 @@ def doctor_text(report: dict) -> str:
              f"  device      {env['device'] or '-'}", "", "Frameworks"]
     for name, fw in report["frameworks"].items():
         if not fw["installed"]:
-            lines.append(f"  {name:<19} not installed")
+            lines.append(fit(f"  {name:<19} " + (f"{fw['distribution']} {fw['version']}: meta package only"
+                                                  if fw["source"] == "meta package only" else "not installed")))
             continue
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""

@@ -256,3 +256,15 @@ def test_doctor_wraps_long_warnings_instead_of_cutting_them_and_prints_each_once
     assert max(len(line) for line in lines) <= 100
     assert sum(line.startswith("  - import x") for line in lines) == 1
     assert "THE-END" in "".join(lines) and not any(line.endswith("…") for line in lines)
+
+
+def test_doctor_text_says_unknown_version_instead_of_none():
+    from npu_fsdp_patches.render import doctor_text
+    fw = {"installed": True, "version": None, "flavor": None, "commit": None, "source": "find_spec (no version found)",
+          "location": "/x/megatron/core", "distribution": None}
+    report = {"plugin": {"version": "0", "matrix": "m.yaml", "config_error": None},
+              "environment": {"python": "3", "platform": "p", "torch": "2", "device": "cpu", "device_error": None,
+                              "torch_npu": {"installed": False}},
+              "frameworks": {"megatron_core": fw}, "patches": [], "errors": [], "warnings": [], "exit_code": 0}
+    line = next(x for x in doctor_text(report).splitlines() if x.startswith("  megatron_core"))
+    assert "None" not in line and "unknown version" in line
