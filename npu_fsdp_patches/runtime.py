@@ -172,14 +172,15 @@ class Runtime:
         name = module.__name__
         with self._lock:
             self._hooked.discard(name)
-            failures = []
+            failures, touched = [], []
             for patch, record in self.records.items():
                 if record.state in ("pending", "applied") and name in self.matrix.patches[patch].target_modules:
+                    touched.append(patch)
                     try:
                         self.on_import(patch, name)
                     except PatchError as exc:
                         failures.append(exc)
-            self._scan_stale(list(self.records))
+            self._scan_stale(touched)
             if failures:   # raising fails this import, and importlib drops the module: re-arm for a retry
                 self._module_discarded(name)
                 raise failures[0]
