@@ -127,7 +127,8 @@ class Runtime:
                                  state="pending" if decision.enabled else "disabled")
             record.provenance = provider.as_dict() if provider else None
             if provider is None:   # two third-party distributions claim the name: run neither
-                record.state, record.error = "failed", self.provider_conflicts[name]
+                record.error = self.provider_conflicts[name]
+                record.state = "failed" if decision.enabled else record.state
             self.records[name] = record
             log.debug("patch %s %s: %s; code: %s", name, "enabled" if decision.enabled else "disabled",
                       decision.reason, provider.describe() if provider else record.error)
