@@ -6,6 +6,8 @@ post-import hooks for the enabled patches. It imports neither torch nor any targ
 """
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from .errors import ConfigError, MatrixError, PatchError
@@ -39,4 +41,18 @@ def detect() -> dict[str, Any]:
     return {name: info.as_dict() for name, info in _RUNTIME.frameworks.items()}
 
 
-_RUNTIME.activate()
+
+def _started_as_cli() -> bool:
+    """True in the ``npu-fsdp-patches`` / ``python -m npu_fsdp_patches`` process: there a strict
+    activation error is reported by the CLI (exit code 2, complete JSON) instead of killing the import."""
+    argv = list(getattr(sys, "orig_argv", None) or [])
+    if "-m" in argv[:-1] and argv[argv.index("-m") + 1] in ("npu_fsdp_patches", "npu_fsdp_patches.cli"):
+        return True
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) == "npu-fsdp-patches"
+
+
+try:
+    _RUNTIME.activate()
+except PatchError:
+    if not _started_as_cli():
+        raise

@@ -5,14 +5,16 @@ import argparse
 import json
 import sys
 
-from . import loader
-from .doctor import EXIT_BAD_CONFIG, collect
+from . import __version__, loader
+from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .render import doctor_text, explain_text, list_text
 from .runtime import RUNTIME
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="npu-fsdp-patches", description=__doc__)
+    parser = argparse.ArgumentParser(prog="npu-fsdp-patches",
+                                     description="Report, explain and list the npu_fsdp_patches patches.")
+    parser.add_argument("--version", action="version", version=f"npu-fsdp-patches {__version__}")
     sub = parser.add_subparsers(dest="command")
     doctor = sub.add_parser("doctor", help="report environment, frameworks, patch decisions and states")
     doctor.add_argument("--json", action="store_true", help="one JSON object (schema npu-fsdp-patches/doctor)")
@@ -22,13 +24,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="check the bit-exact AdamW step against torch on this machine's device")
     explain = sub.add_parser("explain", help="why a patch would or would not apply, and what it changes")
     explain.add_argument("name")
-    sub.add_parser("list", help="list every patch in the matrix")
+    explain.add_argument("--json", action="store_true", help="one JSON object (schema npu-fsdp-patches/explain)")
+    listing = sub.add_parser("list", help="list every patch in the matrix")
+    listing.add_argument("--json", action="store_true", help="one JSON object (schema npu-fsdp-patches/list)")
     return parser
 
 
 def _patch_doc(name: str) -> str | None:
     """The patch class's docstring, else its module's: what the patch changes."""
-    value = RUNTIME._implementations.get(name) or loader.available().get(name)
+    provider = RUNTIME._implementations.get(name) or loader.available().get(name)
+    value = provider.value if provider else None
     try:
         patch_class = type(loader.load_patch(value)) if value else None
     except Exception:  # noqa: BLE001 - explain still works without the docstring
@@ -38,29 +43,43 @@ def _patch_doc(name: str) -> str | None:
     return patch_class.__doc__ or getattr(sys.modules.get(patch_class.__module__), "__doc__", None)
 
 
+def _emit(as_json: bool, command: str, exit_code: int, text: str | None, error: str | None = None,
+          **fields) -> int:
+    """Print text (errors to stderr), or one complete JSON document that always carries the error."""
+    if as_json:
+        print(json.dumps({"schema": f"npu-fsdp-patches/{command}", "schema_version": 1,
+                          "plugin": plugin_section(), **fields, "error": error, "exit_code": exit_code}, indent=2))
+    elif error:
+        print(f"npu-fsdp-patches: {error}", file=sys.stderr)
+    else:
+        print(text)
+    return exit_code
+
+
 def main(argv: list | None = None) -> int:
     args = _parser().parse_args(argv)
     command = args.command or "doctor"
+    as_json = getattr(args, "json", False)
     if command == "doctor":
-        report = collect(try_import=getattr(args, "try_import", False),
-                         self_test=getattr(args, "self_test", False))
-        print(json.dumps(report, indent=2) if getattr(args, "json", False) else doctor_text(report))
+        try:
+            report = collect(try_import=getattr(args, "try_import", False),
+                             self_test=getattr(args, "self_test", False))
+        except Exception as exc:  # noqa: BLE001 - doctor reports, it never dies with a traceback
+            return _emit(as_json, command, EXIT_PATCH_FAILED, None, f"doctor failed: {type(exc).__name__}: {exc}")
+        print(json.dumps(report, indent=2) if as_json else doctor_text(report))
         return report["exit_code"]
     RUNTIME.ensure_prepared()
     if RUNTIME.matrix is None:
-        print(f"npu-fsdp-patches: inactive: {RUNTIME.config_error}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return _emit(as_json, command, EXIT_BAD_CONFIG, None, f"inactive: {RUNTIME.config_error}", patches=[])
     records = {r["name"]: r for r in RUNTIME.status()}
     if command == "list":
-        print(list_text(records.values()))
-        return 0
+        return _emit(as_json, command, 0, list_text(records.values()), patches=list(records.values()))
     spec = RUNTIME.matrix.patches.get(args.name)
     if spec is None:
-        print(f"npu-fsdp-patches: unknown patch {args.name!r}; known: {', '.join(sorted(records))}",
-              file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    print(explain_text(spec, records.get(args.name), RUNTIME.frameworks, _patch_doc(args.name)))
-    return 0
+        return _emit(as_json, command, EXIT_BAD_CONFIG, None,
+                     f"unknown patch {args.name!r}; known: {', '.join(sorted(records))}", patch=None)
+    text = explain_text(spec, records.get(args.name), RUNTIME.frameworks, _patch_doc(args.name))
+    return _emit(as_json, command, 0, text, patch=records.get(args.name), explanation=text.splitlines())
 
 
 if __name__ == "__main__":

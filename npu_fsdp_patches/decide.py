@@ -36,7 +36,9 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
         return (not fw.installed,
                 f"{display_name(fw)} absent" if not fw.installed else f"{_describe(fw)} is installed")
     if not fw.installed:
-        return False, f"{display_name(fw)} not installed"
+        return False, f"{display_name(fw)} {'not installed' if fw.source != 'meta package only' else 'meta package only'}"
+    if cond.flavor is not None and fw.flavor is None:
+        return False, f"{_describe(fw)}: flavour unknown, not {cond.flavor} ({fw.flavor_rule or 'no flavour rule'})"
     if cond.flavor is not None and fw.flavor != cond.flavor:
         return False, f"{_describe(fw)} is not the {cond.flavor} flavor"
     if cond.version is None:

@@ -42,17 +42,28 @@ def distribution_index() -> dict:
 
 
 def _module_dir(module: str | None) -> Path | None:
+    """The folder of ``module`` (dotted names allowed), found without importing anything.
+
+    ``find_spec`` on the top-level name imports nothing; the rest of a dotted name is looked up as
+    folders in every location of that package, so a namespace package such as ``megatron`` (shared by
+    megatron-core and megatron-energon) is searched across all its locations.
+    """
     if not module:
         return None
+    top, *rest = module.split(".")
     try:
-        spec = importlib.util.find_spec(module.split(".")[0])
+        spec = importlib.util.find_spec(top)
     except (ImportError, ValueError):
         return None
     if spec is None:
         return None
-    if spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(spec.origin).parent if spec.origin else None
+    if not spec.submodule_search_locations:
+        return Path(spec.origin).parent if spec.origin and not rest else None
+    for location in spec.submodule_search_locations:
+        folder = Path(location, *rest)
+        if not rest or (folder / "__init__.py").is_file():
+            return folder
+    return None
 
 
 def read_version_file(path: Path) -> str | None:
@@ -71,6 +82,12 @@ def read_version_file(path: Path) -> str | None:
                     values[target.id] = node.value.value
     if isinstance(values.get("__version__"), str):
         return values["__version__"]
+    for node in ast.walk(tree):   # setup.py: setup(version="x") / setuptools.setup(version="x")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "setup":
+            for keyword in node.keywords:
+                if keyword.arg == "version" and isinstance(keyword.value, ast.Constant) \
+                        and isinstance(keyword.value.value, str):
+                    return keyword.value.value
     if all(k in values for k in ("MAJOR", "MINOR", "PATCH")):
         return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE') or ''}"
     return None
@@ -81,6 +98,8 @@ def _dist_root(dist) -> Path | None:
 
 
 def _flavor(spec: FrameworkSpec, dist, dist_name: str | None) -> tuple:
+    """(flavor, the rule that decided). A default rule needs distribution metadata: a bare source tree
+    is not evidence of any flavour, so its flavour stays unknown."""
     for i, rule in enumerate(spec.flavors):
         if rule.distribution_matches:
             if dist_name and re.search(rule.distribution_matches, dist_name, re.IGNORECASE):
@@ -89,6 +108,8 @@ def _flavor(spec: FrameworkSpec, dist, dist_name: str | None) -> tuple:
             top = (dist.read_text("top_level.txt") or "").split() if dist is not None else []
             if rule.ships_module in top or _module_dir(rule.ships_module) is not None:
                 return rule.flavor, f"rule {i}: module {rule.ships_module!r} is installed"
+        elif dist is None:
+            return None, "no distribution metadata: flavour unknown"
         else:
             return rule.flavor, f"rule {i}: default"
     return None, None
@@ -103,11 +124,19 @@ def _read_commit(root: Path | None, relative: str | None) -> str | None:
         return None
 
 
+def _ships(dist, module: str | None) -> bool:
+    """Whether the distribution's RECORD lists files of ``module`` (a meta package lists none)."""
+    top = (module or "").split(".")[0]
+    record = dist.read_text("RECORD") or ""
+    return bool(top) and any(line.startswith((top + "/", top + ".")) for line in record.splitlines())
+
+
 def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
     """Detect one framework: metadata first, then a source checkout found on sys.path."""
     dist = next((index[normalize(n)] for n in spec.distributions if normalize(n) in index), None)
     module_dir = _module_dir(spec.module)
-    source_root = module_dir.parent if module_dir is not None else None
+    depth = len(spec.module.split(".")) if spec.module else 1
+    source_root = module_dir.parents[depth - 1] if module_dir is not None else None
     dist_root = _dist_root(dist) if dist is not None else None
     source_version = (read_version_file(source_root / spec.source_version_file)
                       if source_root is not None and spec.source_version_file else None)
@@ -116,6 +145,11 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
     shadowed = outside and source_version is not None and source_version != dist.version
     if dist is not None and not shadowed:
         name = dist.name
+        needs = next((n for meta, n in spec.meta_packages.items() if normalize(meta) == normalize(name)), None)
+        if needs and not any(normalize(d) in index for d in needs) and not _ships(dist, spec.module):
+            return Detected(spec.name, False, name, dist.version, str(dist_root), "meta package only",
+                            note=f"{name} {dist.version} is only the meta package: {' or '.join(needs)} "
+                                 "is not installed, so the framework cannot be imported")
         flavor, rule = _flavor(spec, dist, name)
         return Detected(spec.name, True, name, dist.version,
                         str(module_dir or dist_root), "metadata", flavor, rule,
@@ -125,6 +159,9 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
     flavor, rule = _flavor(spec, None, None)
     note = (f"imported from a source tree that shadows installed distribution "
             f"{dist.name} {dist.version}" if shadowed else None)
+    if spec.flavors and flavor is None:
+        note = (note + "; " if note else "") + (f"flavour unknown: no distribution metadata for {module_dir}; "
+                                                "patches gated on a flavour stay off")
     source = "source-tree version file" if source_version else "find_spec (no version found)"
     return Detected(spec.name, True, None, source_version, str(module_dir), source, flavor, rule,
                     _read_commit(source_root, spec.commit_file), note)

@@ -1,13 +1,15 @@
 """Collect what doctor reports as one JSON-ready dict (rendering lives in render.py).
 
 Schema "npu-fsdp-patches/doctor" version 1 (documented in the README): plugin, environment,
-frameworks, patches (the status() records), warnings, optional self_test, exit_code.
-Anything that could crash or hang (importing torch or torch_npu) runs in a child interpreter.
+frameworks, patches (the status() records), errors, warnings, optional self_test, exit_code.
+Anything that could crash or hang (importing torch, torch_npu or the patch targets) runs in a child
+interpreter with the user's environment.
 """
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -16,50 +18,151 @@ from . import __version__
 from .detect import detect_framework, distribution_index
 from .matrix import FrameworkSpec
 from .runtime import RUNTIME
-from .settings import PREFIX
+from .settings import PREFIX, strict_requested
 
 # The platform doctor always reports, whether or not the matrix names it (DESIGN §3.5).
 _TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
+_TORCH = FrameworkSpec("torch", ("torch",), "torch")
 
 SCHEMA = "npu-fsdp-patches/doctor"
 SCHEMA_VERSION = 1
 EXIT_OK, EXIT_PATCH_FAILED, EXIT_BAD_CONFIG = 0, 1, 2
 
-_DEVICE_PROBE = """
-import json, torch
+#: the line a probe child prints its JSON result on (anything else on stdout is the child's noise)
+_MARK = "NPU_FSDP_PATCHES_PROBE "
+#: probe children print their result and leave with os._exit: a half-imported torch (a failed backend
+#: autoload) can crash the interpreter's teardown, and that must not hide the result
+_PROBE_PRELUDE = f"""
+import json, os, sys
+def emit(result):
+    sys.stdout.write({_MARK!r} + json.dumps(result) + "\\n"); sys.stdout.flush(); os._exit(0)
+def causes(exc):
+    out = []
+    while exc is not None and len(out) < 8:
+        out.append(f"{{type(exc).__name__}}: {{exc}}")
+        exc = exc.__cause__ or exc.__context__
+    return out
+"""
+_DEVICE_PROBE = _PROBE_PRELUDE + """
+try:
+    import torch
+except BaseException as exc:
+    emit({"error": causes(exc)})
 acc = getattr(torch, "accelerator", None)
 device = str(acc.current_accelerator()) if acc is not None and acc.is_available() else "cpu"
-print(json.dumps({"torch": torch.__version__, "device": device}))
+emit({"torch": torch.__version__, "device": device})
+"""
+_TORCH_NPU_PROBE = _PROBE_PRELUDE + """
+try:
+    import torch_npu
+except BaseException as exc:
+    emit({"error": causes(exc)})
+emit({})
+"""
+_TARGETS_PROBE = _PROBE_PRELUDE + """
+import importlib.util
+if importlib.util.find_spec("torch") is not None:   # the platform of every patch: first, and alone
+    try:
+        import torch
+    except BaseException as exc:
+        emit({"torch_error": causes(exc)})
+from npu_fsdp_patches.doctor import import_targets
+from npu_fsdp_patches.runtime import RUNTIME
+errors = import_targets()
+emit({"errors": errors, "patches": RUNTIME.status()})
 """
 
+#: TORCH_DEVICE_BACKEND_AUTOLOAD as this process started: torch_npu turns it off while it imports
+#: torch and restores it only when its import succeeds, so a failed import leaves it at 0
+_AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+_START_AUTOLOAD = os.environ.get(_AUTOLOAD)
 
-def _child(code: str, timeout: float = 120) -> tuple:
-    """Run code in a fresh interpreter; return (ok, stdout or the last line of the error)."""
+
+def user_environment() -> dict:
+    """The environment for probe children: this process's, with torch's autoload switch as it started."""
+    env = dict(os.environ)
+    env.pop(_AUTOLOAD, None)
+    if _START_AUTOLOAD is not None:
+        env[_AUTOLOAD] = _START_AUTOLOAD
+    return env
+
+
+def _child(code: str, timeout: float = 300) -> tuple:
+    """Run a probe in a fresh interpreter with the user's environment; return (result dict, error)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, env=user_environment())
     except subprocess.TimeoutExpired:
-        return False, f"timed out after {timeout}s"
-    if proc.returncode == 0:
-        return True, proc.stdout.strip()
+        return None, f"timed out after {timeout}s"
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK):]), None
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    return False, lines[-1] if lines else f"exit code {proc.returncode}"
+    how = (f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}")
+    return None, (f"{lines[-1]} ({how})" if lines else how)
 
 
-def environment(try_import: bool) -> dict:
-    torch_npu = RUNTIME.frameworks.get("torch_npu") or detect_framework(_TORCH_NPU, distribution_index())
+def _first_and_root(causes: list) -> str:
+    """``Outer: msg (caused by Root: msg)``: torch wraps a backend's ImportError in a RuntimeError."""
+    return causes[0] if len(causes) == 1 else f"{causes[0]} (caused by {causes[-1]})"
+
+
+def _installed(spec: FrameworkSpec):
+    return RUNTIME.frameworks.get(spec.name) or detect_framework(spec, distribution_index())
+
+
+def environment() -> dict:
+    """Python, torch and torch_npu facts; every import happens in a child with the user's environment."""
+    torch_npu, torch = _installed(_TORCH_NPU), _installed(_TORCH)
     env = {"python": platform.python_version(), "platform": f"{sys.platform} {platform.machine()}",
-           "torch": None, "device": None, "device_error": None,
+           "torch": torch.version if torch.installed else None, "device": None, "device_error": None,
            "torch_npu": {"installed": torch_npu.installed, "version": torch_npu.version,
                          "importable": None, "import_error": None}}
-    ok, out = _child(_DEVICE_PROBE)
-    if ok:
-        env.update(json.loads(out.splitlines()[-1]))
+    result, error = _child(_DEVICE_PROBE)
+    if result is not None and "error" not in result:
+        env.update(result)
     else:
-        env["device_error"] = out
-    if try_import and env["torch_npu"]["installed"]:
-        ok, out = _child("import torch_npu")
-        env["torch_npu"].update(importable=ok, import_error=None if ok else out)
+        env["device_error"] = error or _first_and_root(result["error"])
+    if torch_npu.installed:
+        result, error = _child(_TORCH_NPU_PROBE)
+        import_error = error or (result["error"][-1] if "error" in result else None)
+        env["torch_npu"].update(importable=import_error is None, import_error=import_error)
     return env
+
+
+def environment_errors(env: dict) -> list:
+    """Findings about the platform that make doctor exit 1, each with its next step."""
+    npu = env["torch_npu"]
+    if npu["installed"] and npu["importable"] is False:
+        return [f"torch_npu {npu['version']} is installed but cannot be imported: {npu['import_error']}. "
+                "With torch_npu installed, `import torch` loads it too and fails the same way. Next step: "
+                "load the CANN environment (source the set_env.sh of your CANN toolkit, e.g. "
+                "/usr/local/Ascend/ascend-toolkit/set_env.sh) and run doctor again"]
+    return []
+
+
+def environment_warnings(env: dict) -> list:
+    warnings = []
+    if os.environ.get(_AUTOLOAD, "1") != "1":
+        warnings.append(f"{_AUTOLOAD}={os.environ[_AUTOLOAD]} turns off torch's backend autoload, ours "
+                        "included: patches apply only where the script runs `import npu_fsdp_patches`")
+    if env["torch"] and env["device_error"] and not environment_errors(env):
+        warnings.append(f"torch {env['torch']} is installed but `import torch` fails: {env['device_error']}")
+    return warnings
+
+
+def import_targets_in_child() -> tuple:
+    """(status records, errors) after importing every enabled target in a fresh interpreter.
+
+    Importing in this process could leave a half-imported torch behind (a failing backend autoload)
+    and crash it at exit; a child that crashes is reported instead.
+    """
+    result, error = _child(_TARGETS_PROBE)
+    if result is None:
+        return None, [f"importing the patch targets crashed the interpreter: {error}"]
+    if "torch_error" in result:
+        return None, [f"patch targets not imported: `import torch` fails: {_first_and_root(result['torch_error'])}"]
+    return result["patches"], result["errors"]
 
 
 def import_targets() -> list:
@@ -86,40 +189,59 @@ def warnings_for(records: list) -> list:
     for r in records:
         if r["decision"] == "enabled" and r["unverified"]:
             out.append(f"{r['name']}: {', '.join(r['unverified'])} in range but not verified by the test suite")
-        for module in r["imported_before_activation"]:
+        modules = r["imported_before_activation"]
+        if modules:
             holders = sorted({m for refs in r["stale_refs"].values() for m in refs})
-            text = f"{r['name']}: {module} was imported before npu_fsdp_patches activated"
+            text = (f"{r['name']}: {', '.join(modules)} {'was' if len(modules) == 1 else 'were'} imported "
+                    "before npu_fsdp_patches activated")
             out.append(text + (f"; stale references to the unpatched objects in: {', '.join(holders)}"
                                if holders else "; no module holds a stale reference"))
     return out
 
 
+def plugin_section() -> dict:
+    """The plugin's own state, shared by every JSON document the CLI prints."""
+    settings = RUNTIME.settings
+    return {"version": __version__, "active": settings.active and RUNTIME.config_error is None,
+            "matrix": RUNTIME.matrix.path if RUNTIME.matrix else settings.matrix_path,
+            "config_error": RUNTIME.config_error,
+            "strict": settings.strict or (RUNTIME.config_error is not None and strict_requested(os.environ)),
+            "disable": sorted(settings.disable) + (["*"] if settings.disable_all else []),
+            "enable": sorted(settings.enable)}
+
+
 def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
-    """The full doctor report; ``exit_code`` is 0 healthy, 1 a patch failed, 2 bad configuration."""
+    """The full doctor report; ``exit_code`` is 0 healthy, 1 a patch or the platform failed, 2 bad configuration."""
     RUNTIME.ensure_prepared()
-    import_errors = import_targets() if try_import and RUNTIME.matrix is not None else []
-    records = RUNTIME.status()
+    env = environment()
+    records, import_errors, import_failed = None, [], []
+    if try_import and RUNTIME.matrix is not None:
+        records, import_errors = import_targets_in_child()
+        if records is None:   # nothing could be verified: an error, not a warning
+            import_failed, import_errors = import_errors, []
+    records = records if records is not None else RUNTIME.status()
     settings = RUNTIME.settings
     report = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-        "plugin": {"version": __version__, "active": settings.active and RUNTIME.config_error is None,
-                   "matrix": RUNTIME.matrix.path if RUNTIME.matrix else settings.matrix_path,
-                   "config_error": RUNTIME.config_error, "strict": settings.strict,
-                   "disable": sorted(settings.disable) + (["*"] if settings.disable_all else []),
-                   "enable": sorted(settings.enable)},
-        "environment": environment(try_import),
+        "plugin": plugin_section(),
+        "environment": env,
         "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
         "patches": records,
-        "warnings": warnings_for(records) + import_errors,
+        "errors": environment_errors(env) + import_failed,
+        "warnings": (warnings_for(records) + list(RUNTIME.provider_conflicts.values())
+                     + [f"{name}: {fw.note}" for name, fw in RUNTIME.frameworks.items() if fw.note]
+                     + environment_warnings(env) + import_errors),
         "self_test": None,
     }
     if RUNTIME.matrix is not None:
         unknown = settings.unknown_names(set(RUNTIME.matrix.patches))
         if unknown:
             report["warnings"].append(f"{PREFIX}_DISABLE/ENABLE name unknown patch(es) {', '.join(unknown)}")
+    report["warnings"] = list(dict.fromkeys(report["warnings"]))
     if self_test:
-        report["self_test"] = _self_test()
-    failed = any(r["state"] == "failed" for r in records) or (
+        report["self_test"] = (_self_test() if env["device_error"] is None else
+                               {"passed": False, "error": f"torch cannot be imported: {env['device_error']}"})
+    failed = any(r["state"] == "failed" for r in records) or bool(report["errors"]) or (
         report["self_test"] is not None and not report["self_test"].get("passed"))
     report["exit_code"] = (EXIT_BAD_CONFIG if RUNTIME.config_error else
                            EXIT_PATCH_FAILED if failed else EXIT_OK)

@@ -1,8 +1,12 @@
-"""Find patch implementations: the ``npu_fsdp_patches.patches`` entry-point group, plus a plain checkout.
+"""Find patch implementations: the built-ins, plus the ``npu_fsdp_patches.patches`` entry-point group.
 
 The built-in patches register in that group through our own pyproject. Run from a plain checkout
 (no installed metadata), the top-level ``patches/`` folder is mounted as ``npu_fsdp_patches.patches``
 and its ``BUILTIN_PATCHES`` table stands in for the missing entry points.
+
+Trust model: a patch runs inside the user's training step, so registering in the group is as powerful
+as installing code. Built-ins always win: a third-party entry point that reuses a built-in's name is
+ignored and reported, and a name registered by two third-party distributions is used from neither.
 """
 from __future__ import annotations
 
@@ -10,12 +14,29 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import dists
 
 GROUP = "npu_fsdp_patches.patches"
 BUILTIN_PACKAGE = "npu_fsdp_patches.patches"
+OUR_DISTRIBUTION = "npu-fsdp-patches"
+
+
+class Provider(NamedTuple):
+    """Where a patch's code comes from: its entry-point value and the distribution that ships it."""
+
+    value: str                  # "module:Class"
+    distribution: str | None
+    version: str | None
+    builtin: bool
+
+    def describe(self) -> str:
+        where = f"{self.distribution or 'unknown distribution'} {self.version or '(unknown version)'}"
+        return f"{where} (built-in)" if self.builtin else f"{where} (entry point {self.value})"
+
+    def as_dict(self) -> dict:
+        return self._asdict()
 
 
 def _mount_checkout_patches() -> None:
@@ -42,14 +63,34 @@ def builtin_table() -> dict:
         return {}
 
 
+def discover() -> tuple:
+    """(name -> Provider, name -> conflict message). Built-ins first; see the trust model above."""
+    version = getattr(sys.modules.get("npu_fsdp_patches"), "__version__", None)
+    builtins = builtin_table()
+    providers = {name: Provider(value, OUR_DISTRIBUTION, version, True) for name, value in builtins.items()}
+    offers: dict = {}
+    for dist in dists.installed().values():
+        for name, value in dist.entry_points(GROUP):
+            if builtins.get(name) == value:   # our own registration of a built-in
+                continue
+            offers.setdefault(name, []).append(Provider(value, dist.name, dist.version, False))
+    conflicts = {}
+    for name, found in offers.items():
+        if name in providers:
+            conflicts[name] = (f"patch name {name!r} is built in ({providers[name].describe()}) but also "
+                               f"registered by {', '.join(p.describe() for p in found)}; that registration "
+                               "is ignored")
+        elif len(found) > 1:
+            conflicts[name] = (f"patch name {name!r} is registered by both {found[0].describe()} and "
+                               f"{found[1].describe()}; neither is used")
+        else:
+            providers[name] = found[0]
+    return providers, conflicts
+
+
 def available() -> dict:
-    """name -> "module:attr" for every registered patch (entry points first, then built-ins)."""
-    found = {}
-    for name, value in dists.entry_points(GROUP):
-        found.setdefault(name, value)
-    for name, value in builtin_table().items():
-        found.setdefault(name, value)
-    return found
+    """name -> Provider for every usable patch implementation."""
+    return discover()[0]
 
 
 def load_patch(value: str) -> Any:

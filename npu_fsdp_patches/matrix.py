@@ -11,10 +11,14 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from .errors import MatrixError
 
 SCHEMA_VERSION = 1
+#: bounds that keep a hostile or broken matrix from hanging `import torch` (YAML alias bombs)
+MAX_MATRIX_BYTES = 1 << 20
+MAX_NODES = 20_000
+MAX_DEPTH = 32
 SHIPPED_MATRIX = Path(__file__).resolve().parent / "compat_matrix.yaml"
 _TARGET = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<qualname>[A-Za-z_][\w.]*)(?P<optional>\?)?$")
 _TOP_KEYS = {"schema_version", "frameworks", "patches"}
-_FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file"}
+_FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
 _PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts"}
 _CONDITION_KEYS = {"installed", "version", "flavor"}
@@ -51,6 +55,7 @@ class FrameworkSpec(NamedTuple):
     flavors: tuple = ()
     source_version_file: str | None = None
     commit_file: str | None = None
+    meta_packages: Mapping[str, tuple] = {}   # meta distribution -> distributions, one of which must be there
 
 
 class PatchSpec(NamedTuple):
@@ -79,34 +84,67 @@ class Matrix(NamedTuple):
 
 
 class _Reader:
-    """Turns the composed YAML node tree into plain data while remembering each key path's line."""
+    """Turns the composed YAML node tree into plain data while remembering each key path's line.
+
+    Aliases are expanded here, so the number of nodes and the depth are bounded (an alias bomb is
+    rejected instead of hanging the import); duplicate keys and non-string keys are rejected.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self.lines: dict = {}
         self._scalars = yaml.constructor.SafeConstructor()
+        self._nodes = 0
 
-    def to_data(self, node: yaml.Node, key_path: str) -> Any:
+    def to_data(self, node: yaml.Node, key_path: str, depth: int = 0) -> Any:
+        self._nodes += 1
+        if self._nodes > MAX_NODES or depth > MAX_DEPTH:
+            raise MatrixError(f"more than {MAX_NODES} nodes or {MAX_DEPTH} levels after alias expansion "
+                              "(an alias bomb?)", path=self.path, key_path=key_path,
+                              line=node.start_mark.line + 1)
         self.lines.setdefault(key_path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             out = {}
             for key_node, value_node in node.value:
                 key = self._scalars.construct_object(key_node, deep=True)
-                child = f"{key_path}.{key}" if key_path else str(key)
-                self.lines[child] = key_node.start_mark.line + 1
-                out[key] = self.to_data(value_node, child)
+                line = key_node.start_mark.line + 1
+                if not isinstance(key, str):
+                    raise MatrixError(f"keys must be strings, got {type(key).__name__} {key!r}",
+                                      path=self.path, key_path=key_path, line=line)
+                child = f"{key_path}.{key}" if key_path else key
+                if key in out:
+                    raise MatrixError(f"duplicate key {key!r} (first at line {self.lines[child]})",
+                                      path=self.path, key_path=child, line=line)
+                self.lines[child] = line
+                out[key] = self.to_data(value_node, child, depth + 1)
             return out
         if isinstance(node, yaml.SequenceNode):
-            return [self.to_data(item, f"{key_path}[{i}]") for i, item in enumerate(node.value)]
+            return [self.to_data(item, f"{key_path}[{i}]", depth + 1) for i, item in enumerate(node.value)]
         return self._scalars.construct_object(node, deep=True)
 
     def fail(self, key_path: str, message: str) -> MatrixError:
         return MatrixError(message, path=self.path, key_path=key_path, line=self.lines.get(key_path))
 
     def expect(self, value: Any, kind: type, key_path: str, what: str) -> Any:
-        if not isinstance(value, kind):
-            raise self.fail(key_path, f"expected {what}, got {type(value).__name__}")
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(key_path, f"expected {what}, got {type(value).__name__} {value!r}")
         return value
+
+    def string(self, mapping: dict, key: str, key_path: str, default: Any = None) -> Any:
+        """mapping[key] as a string (a missing or null key gives ``default``)."""
+        value = mapping.get(key)
+        if value is None:
+            return default
+        return self.expect(value, str, f"{key_path}.{key}", "a string (quote numbers)")
+
+    def strings(self, value: Any, key_path: str) -> tuple:
+        """A list of strings (null gives an empty tuple)."""
+        items = self.expect(value if value is not None else [], list, key_path, "a list of strings")
+        return tuple(self.expect(v, str, f"{key_path}[{i}]", "a string (quote numbers)")
+                     for i, v in enumerate(items))
+
+    def mapping(self, value: Any, key_path: str, what: str = "a mapping") -> dict:
+        return self.expect(value if value is not None else {}, dict, key_path, what)
 
     def keys(self, mapping: dict, allowed: set, key_path: str, required: tuple = ()) -> None:
         for key in mapping:
@@ -117,23 +155,39 @@ class _Reader:
                 raise self.fail(key_path, f"missing required key {key!r}")
 
 
+def _reject_tags(text: str, path: str) -> None:
+    """Tags (``!!python/...``, ``!foo``, ``!!str``) have no meaning in the matrix: refuse them all."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for event in yaml.parse(text, Loader=loader):
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            raise MatrixError(f"YAML tag {tag!r} is not allowed in the matrix", path=path,
+                              line=event.start_mark.line + 1)
+
+
 def _framework(r: _Reader, name: str, raw: Any, kp: str) -> FrameworkSpec:
     r.expect(raw, dict, kp, "a mapping")
     r.keys(raw, _FRAMEWORK_KEYS, kp)
     flavors = []
-    for i, rule in enumerate(raw.get("flavors") or []):
+    for i, rule in enumerate(r.expect(raw.get("flavors") or [], list, f"{kp}.flavors", "a list")):
         rkp = f"{kp}.flavors[{i}]"
         r.expect(rule, dict, rkp, "a mapping")
         r.keys(rule, _FLAVOR_KEYS, rkp, required=("flavor",))
-        if rule.get("distribution_matches"):
+        pattern = r.string(rule, "distribution_matches", rkp)
+        if pattern:
             try:
-                re.compile(rule["distribution_matches"])
+                re.compile(pattern)
             except re.error as exc:
                 raise r.fail(f"{rkp}.distribution_matches", f"bad regular expression: {exc}") from None
-        flavors.append(FlavorRule(str(rule["flavor"]), rule.get("distribution_matches"), rule.get("ships_module")))
-    dists = tuple(str(d) for d in r.expect(raw.get("distributions") or [], list, f"{kp}.distributions", "a list"))
-    return FrameworkSpec(name, dists, raw.get("module"), tuple(flavors),
-                         raw.get("source_version_file"), raw.get("commit_file"))
+        flavors.append(FlavorRule(r.string(rule, "flavor", rkp), pattern, r.string(rule, "ships_module", rkp)))
+    module = r.string(raw, "module", kp)
+    if module is not None and not re.match(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", module):
+        raise r.fail(f"{kp}.module", f"bad module name {module!r}")
+    meta = {dist: r.strings(needs, f"{kp}.meta_packages.{dist}")
+            for dist, needs in r.mapping(raw.get("meta_packages"), f"{kp}.meta_packages").items()}
+    return FrameworkSpec(name, r.strings(raw.get("distributions"), f"{kp}.distributions"), module,
+                         tuple(flavors), r.string(raw, "source_version_file", kp),
+                         r.string(raw, "commit_file", kp), meta)
 
 
 def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mapping) -> Condition:
@@ -144,21 +198,21 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
     installed = raw.get("installed", True)
     if not isinstance(installed, bool):
         raise r.fail(f"{kp}.installed", "expected true or false")
-    version = None
-    if raw.get("version") is not None:
+    version, text = None, r.string(raw, "version", kp)
+    if text is not None:
         try:
-            version = SpecifierSet(str(raw["version"]))
+            version = SpecifierSet(text)
         except InvalidSpecifier:
-            raise r.fail(f"{kp}.version", f"bad PEP 440 specifier {raw['version']!r}") from None
-    return Condition(framework, installed, version, raw.get("flavor"))
+            raise r.fail(f"{kp}.version", f"bad PEP 440 specifier {text!r}") from None
+    return Condition(framework, installed, version, r.string(raw, "flavor", kp))
 
 
 def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping) -> PatchSpec:
     r.expect(raw, dict, kp, "a mapping")
     r.keys(raw, _PATCH_KEYS, kp, required=("summary", "targets", "gate"))
     targets = []
-    for i, text in enumerate(r.expect(raw["targets"], list, f"{kp}.targets", "a list")):
-        match = _TARGET.match(str(text))
+    for i, text in enumerate(r.strings(r.expect(raw["targets"], list, f"{kp}.targets", "a list"), f"{kp}.targets")):
+        match = _TARGET.match(text)
         if not match:
             raise r.fail(f"{kp}.targets[{i}]", f"bad target {text!r}; expected 'module.path:Qual.name' (optional '?')")
         targets.append(Target(match["module"], match["qualname"], bool(match["optional"])))
@@ -170,20 +224,30 @@ def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping) -> Pat
         r.expect(alternative, dict, akp, "a mapping of framework: condition")
         gate.append(tuple(_condition(r, fw, cond, f"{akp}.{fw}", frameworks) for fw, cond in alternative.items()))
     verified = {}
-    for fw, versions in r.expect(raw.get("verified") or {}, dict, f"{kp}.verified", "a mapping").items():
+    for fw, versions in r.mapping(raw.get("verified"), f"{kp}.verified").items():
         if fw not in frameworks:
             raise r.fail(f"{kp}.verified.{fw}", f"unknown framework {fw!r}")
-        verified[fw] = tuple(str(v) for v in r.expect(versions, list, f"{kp}.verified.{fw}", "a list"))
-    upstream = r.expect(raw.get("upstream") or {}, dict, f"{kp}.upstream", "a mapping")
+        verified[fw] = r.strings(r.expect(versions, list, f"{kp}.verified.{fw}", "a list"), f"{kp}.verified.{fw}")
+    upstream = r.mapping(raw.get("upstream"), f"{kp}.upstream")
     r.keys(upstream, _UPSTREAM_KEYS, f"{kp}.upstream")
-    return PatchSpec(name, str(raw["summary"]), tuple(targets), tuple(gate), raw.get("stand_down_probe"),
-                     verified, upstream, str(raw.get("facts") or ""))
+    for key in ("fix", "notes"):
+        r.string(upstream, key, f"{kp}.upstream")
+    if "issues" in upstream:
+        r.strings(upstream["issues"], f"{kp}.upstream.issues")
+    probe = r.string(raw, "stand_down_probe", kp)
+    if probe is not None and not probe.isidentifier():
+        raise r.fail(f"{kp}.stand_down_probe", f"expected a method name, got {probe!r}")
+    return PatchSpec(name, r.string(raw, "summary", kp, ""), tuple(targets), tuple(gate), probe,
+                     verified, upstream, r.string(raw, "facts", kp, ""))
 
 
 def parse_matrix(text: str, path: str = "<string>") -> Matrix:
     """Validate matrix text; raise MatrixError with file, key path and line on any problem."""
     r = _Reader(path)
+    if len(text) > MAX_MATRIX_BYTES:
+        raise MatrixError(f"matrix is larger than {MAX_MATRIX_BYTES} bytes", path=path)
     try:
+        _reject_tags(text, path)
         root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -193,7 +257,7 @@ def parse_matrix(text: str, path: str = "<string>") -> Matrix:
         raise MatrixError("empty matrix", path=path)
     data = r.expect(r.to_data(root, ""), dict, "", "a mapping at the top level")
     r.keys(data, _TOP_KEYS, "", required=("schema_version", "frameworks", "patches"))
-    data = {k: v for k, v in data.items()}
+    r.expect(data["schema_version"], int, "schema_version", "an integer")
     if data["schema_version"] != SCHEMA_VERSION:
         raise r.fail("schema_version", f"unsupported schema_version {data['schema_version']!r}; "
                                        f"this plugin reads {SCHEMA_VERSION}")
@@ -208,7 +272,11 @@ def load_matrix(path: str | Path | None = None) -> Matrix:
     """Read the given matrix file, or the shipped one."""
     file = Path(path) if path else SHIPPED_MATRIX
     try:
+        if file.stat().st_size > MAX_MATRIX_BYTES:
+            raise MatrixError(f"matrix is larger than {MAX_MATRIX_BYTES} bytes", path=str(file))
         text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MatrixError(f"cannot read matrix: not UTF-8 ({exc.reason})", path=str(file)) from None
     except OSError as exc:
         raise MatrixError(f"cannot read matrix: {exc.strerror or exc}", path=str(file)) from None
     return parse_matrix(text, str(file))

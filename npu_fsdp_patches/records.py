@@ -17,6 +17,7 @@ class PatchRecord:
         self.waiting_for: list = []
         self.imported_before_activation: list = []
         self.stale_refs: dict = {}                     # target symbol -> modules holding the original
+        self.provenance: dict | None = None            # loader.Provider.as_dict(): who ships the code
 
     def as_dict(self) -> dict:
         return {
@@ -35,4 +36,5 @@ class PatchRecord:
             "unverified": list(self.decision.unverified),
             "imported_before_activation": list(self.imported_before_activation),
             "stale_refs": {k: list(v) for k, v in self.stale_refs.items()},
+            "provenance": dict(self.provenance) if self.provenance else None,
         }

@@ -113,10 +113,45 @@ class Registry:
         A module that ran ``from x import f`` after ``x.f`` was patched holds our replacement; patching
         that copy must wrap, and revert must restore, the real original, never our wrapper.
         """
+        entry = self.holder(value)
+        return entry.resolved.original if entry is not None and entry.replacement is value else value
+
+    def holder(self, value: Any) -> Saved | None:
+        """The installed entry whose replacement ``value`` is (or wraps), if any."""
         for entry in self._saved.values():
-            if entry.installed and entry.replacement is value:
-                return entry.resolved.original
-        return value
+            if entry.installed and _wraps(value, entry.replacement):
+                return entry
+        return None
+
+    def overlap(self, patch: str, target: Target) -> str | None:
+        """Why ``target`` collides with another patch's installed target (same, inside or around it)."""
+        for symbol, entry in self._saved.items():
+            other = entry.resolved.target
+            if not entry.installed or entry.patch == patch or other.module != target.module:
+                continue
+            if other.qualname == target.qualname:
+                return f"{target.symbol} is already patched by {entry.patch}"
+            if other.qualname.startswith(target.qualname + ".") or target.qualname.startswith(other.qualname + "."):
+                return f"{target.symbol} overlaps {symbol}, which is already patched by {entry.patch}"
+        return None
+
+    def liveness(self, symbol: str) -> str:
+        """"live", "module gone" (dropped from sys.modules) or "replaced" (reloaded or overwritten)."""
+        entry = self._saved[symbol]
+        if sys.modules.get(entry.resolved.target.module) is None:
+            return "module gone"
+        try:
+            now = resolve(entry.resolved.target)
+        except TargetNotFound:
+            return "replaced"
+        live = now.owner is entry.resolved.owner and _wraps(_current(now), entry.replacement)
+        return "live" if live else "replaced"
+
+    def forget(self, symbol: str) -> None:
+        """Mark an entry not installed without touching the target (its module object is gone)."""
+        entry = self._saved.get(symbol)
+        if entry is not None:
+            entry.installed = False
 
     def owner_patch(self, symbol: str) -> str | None:
         """The patch whose replacement is installed at ``symbol`` now, if any."""

@@ -28,35 +28,47 @@ def _why(record: dict) -> str:
     return record["reason"]
 
 
+def _code(provenance: dict | None) -> str:
+    if not provenance:
+        return "none (see the error above)"
+    where = f"{provenance['distribution'] or 'unknown distribution'} {provenance['version'] or '(unknown version)'}"
+    return f"{where} built-in" if provenance["builtin"] else f"{where} entry point {provenance['value']}"
+
+
 def doctor_text(report: dict) -> str:
     plugin, env = report["plugin"], report["environment"]
     npu = env["torch_npu"]
     npu_text = ("not installed" if not npu["installed"] else
-                f"{npu['version']} " + ("(import not tried; use --import)" if npu["importable"] is None else
-                                        "importable" if npu["importable"] else
-                                        f"NOT importable: {npu['import_error']}"))
+                f"{npu['version']} " + ("importable" if npu["importable"] else "NOT importable (see Errors)"))
+    torch_text = (env["torch"] or "not installed") + (" (import fails, see Warnings)" if env["device_error"]
+                                                      and env["torch"] else "")
     lines = [f"npu-fsdp-patches {plugin['version']} doctor", "", "Environment",
              f"  python      {env['python']} ({env['platform']})",
-             f"  torch       {env['torch'] or 'not importable: ' + str(env['device_error'])}",
+             f"  torch       {torch_text}",
              f"  torch_npu   {npu_text}",
              f"  device      {env['device'] or '-'}", "", "Frameworks"]
     for name, fw in report["frameworks"].items():
         if not fw["installed"]:
-            lines.append(f"  {name:<19} not installed")
+            lines.append(fit(f"  {name:<19} " + (f"{fw['distribution']} {fw['version']}: meta package only"
+                                                  if fw["source"] == "meta package only" else "not installed")))
             continue
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
-        head = f"  {name:<19} {str(fw['version']) + extra:<24} {fw['source']:<9} "
+        head = f"  {name:<19} {(fw['version'] or 'unknown version') + extra:<24} {fw['source']:<9} "
         lines.append(head + _path(fw["location"], WIDTH - len(head)))
     lines += ["", f"Patches (matrix: {_path(plugin['matrix'], WIDTH - 19)})"]
     if plugin["config_error"]:
         lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
     for r in report["patches"]:
         lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {r['state']:<10} {_why(r)}"))
+    lines += ["", "Patch code (distribution and version)"] + [
+        fit(f"  {r['name']:<27} {_code(r.get('provenance'))}") for r in report["patches"]]
     if report.get("self_test") is not None:
         lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
-    if report["warnings"]:
-        lines += ["", "Warnings"] + [fit(f"  - {w}") for w in report["warnings"]]
+    for title, items in (("Errors", report.get("errors") or []), ("Warnings", report["warnings"])):
+        if items:
+            lines += ["", title] + [line for item in dict.fromkeys(items)
+                                    for line in wrap(f"  - {item}", indent="    ")]
     counts = {}
     for r in report["patches"]:
         counts[r["state"]] = counts.get(r["state"], 0) + 1

@@ -2,7 +2,8 @@
 
 Failure policy: a failing patch is logged once at WARNING and recorded as ``failed``; the other
 patches go on. In strict mode (NPU_FSDP_PATCHES_STRICT=1), or for a patch named in
-NPU_FSDP_PATCHES_ENABLE or passed to apply(), the failure raises PatchError instead.
+NPU_FSDP_PATCHES_ENABLE or passed to apply(), the failure raises PatchError instead, but only after
+every other patch has been armed or applied: no failure disables another patch, in any mode.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class Runtime:
         self.records: dict = {}
         self.registry = Registry()
         self._implementations: dict = {}
+        self.provider_conflicts: dict = {}   # patch name -> message (loader.discover)
         self._instances: dict = {}
         self._hooked: set = set()
         self._probed: set = set()
@@ -81,11 +83,13 @@ class Runtime:
             if not self._prepare():
                 return
             self._warn_unknown_names()
-            enabled = [r for r in self.records.values() if r.decision.enabled]
+            enabled = [r for r in self.records.values() if r.decision.enabled and r.state == "pending"]
             self._preimported = {m for r in enabled for m in self.matrix.patches[r.name].target_modules
                                  if m in sys.modules}
-            for record in enabled:
-                self._arm(record.name)
+            failures = [f for record in enabled for f in self._arm(record.name)]
+            self._scan_stale([r.name for r in enabled])
+            if failures:
+                raise failures[0]
 
     def _configuration_failed(self, exc: PatchError, strict: bool) -> None:
         self.config_error = str(exc)
@@ -99,21 +103,35 @@ class Runtime:
             return True
         try:
             matrix = load_matrix(self.settings.matrix_path)
-            self._implementations = loader.available()
+            self._implementations, self.provider_conflicts = loader.discover()
             for name in matrix.patches:
-                if name not in self._implementations:
+                if name not in self._implementations and name not in self.provider_conflicts:
                     raise matrix.error(f"patches.{name}", f"unknown patch {name!r}: no implementation is "
                                        f"registered in entry-point group {loader.GROUP}")
         except MatrixError as exc:
             self._configuration_failed(exc, self.settings.strict)
             return False
+        except Exception as exc:  # noqa: BLE001 - never let a surprise break the user's import
+            self._configuration_failed(PatchError(f"cannot load the matrix: {type(exc).__name__}: {exc}"),
+                                       self.settings.strict)
+            return False
         self.matrix = matrix
         self.frameworks = detect_all(matrix.frameworks.values())
+        for message in self.provider_conflicts.values():
+            log.warning("%s", message)
         for name, spec in matrix.patches.items():
             decision = decide(spec, self.frameworks, self.settings)
-            self.records[name] = PatchRecord(name, spec.summary, decision,
-                                             [t.symbol + ("?" if t.optional else "") for t in spec.targets],
-                                             state="pending" if decision.enabled else "disabled")
+            provider = self._implementations.get(name)
+            record = PatchRecord(name, spec.summary, decision,
+                                 [t.symbol + ("?" if t.optional else "") for t in spec.targets],
+                                 state="pending" if decision.enabled else "disabled")
+            record.provenance = provider.as_dict() if provider else None
+            if provider is None:   # two third-party distributions claim the name: run neither
+                record.error = self.provider_conflicts[name]
+                record.state = "failed" if decision.enabled else record.state
+            self.records[name] = record
+            log.debug("patch %s %s: %s; code: %s", name, "enabled" if decision.enabled else "disabled",
+                      decision.reason, provider.describe() if provider else record.error)
         return True
 
     def ensure_prepared(self) -> None:
@@ -128,25 +146,63 @@ class Runtime:
                         PREFIX, PREFIX, ", ".join(unknown), ", ".join(sorted(self.matrix.patches)))
 
     # -- hooks and apply ----------------------------------------------------------------------
-    def _arm(self, name: str) -> None:
-        """Apply now for imported target modules; register post-import hooks for the others."""
+    def _arm(self, name: str) -> list:
+        """Apply now for imported target modules; hook the others. Returns strict failures (PatchError)."""
         record = self.records[name]
         modules = self.matrix.patches[name].target_modules
         record.waiting_for = [m for m in modules if m not in sys.modules]
+        failures = []
         for module in modules:
             if module in sys.modules:
-                self.on_import(name, module)
-            elif (name, module) not in self._hooked:
-                self._hooked.add((name, module))
-                hooks.when_imported(module, lambda mod, _n=name: self._hook_fired(_n, mod))
+                try:
+                    self.on_import(name, module)
+                except PatchError as exc:
+                    failures.append(exc)
+            else:
+                self._hook(module)
+        return failures
 
-    def _hook_fired(self, name: str, module) -> None:
-        self._hooked.discard((name, module.__name__))
-        self.on_import(name, module.__name__)
+    def _hook(self, module: str) -> None:
+        """One post-import hook per module, for every patch with a target there (wrapt stops at the
+        first hook that raises, so one hook per patch let a strict failure disarm the others)."""
+        if module not in self._hooked:
+            self._hooked.add(module)
+            hooks.when_imported(module, self._module_imported)
+
+    def _module_imported(self, module) -> None:
+        name = module.__name__
+        with self._lock:
+            self._hooked.discard(name)
+            failures, touched = [], []
+            for patch, record in self.records.items():
+                if record.state in ("pending", "applied") and name in self.matrix.patches[patch].target_modules:
+                    touched.append(patch)
+                    try:
+                        self.on_import(patch, name)
+                    except PatchError as exc:
+                        failures.append(exc)
+            self._scan_stale(touched)
+            if failures:   # raising fails this import, and importlib drops the module: re-arm for a retry
+                self._module_discarded(name)
+                raise failures[0]
+
+    def _module_discarded(self, module: str) -> None:
+        """Patches applied on a module object that leaves sys.modules go back to pending on it."""
+        sys.modules.pop(module, None)
+        for record in self.records.values():
+            gone = [s for s in record.applied_targets if s.split(":")[0] == module]
+            for symbol in gone:
+                self.registry.forget(symbol)
+                record.applied_targets.remove(symbol)
+            if gone and not record.applied_targets:
+                record.state = "pending"
+            if gone and module not in record.waiting_for:
+                record.waiting_for.append(module)
+        self._hook(module)
 
     def _instance(self, name: str):
         if name not in self._instances:
-            self._instances[name] = loader.load_patch(self._implementations[name])
+            self._instances[name] = loader.load_patch(self._implementations[name].value)
         return self._instances[name]
 
     def on_import(self, name: str, module_name: str) -> None:
@@ -173,6 +229,9 @@ class Runtime:
                 resolved = []
                 for target in (t for t in spec.targets if t.module == module_name):
                     symbol = target.symbol
+                    clash = self.registry.overlap(name, target)
+                    if clash:
+                        raise PatchError(f"{clash}; two patches cannot change the same object")
                     try:
                         resolved.append(resolve(target))
                     except TargetNotFound:
@@ -189,11 +248,12 @@ class Runtime:
         done, item = [], None
         try:
             for item in resolved:
+                holder = self.registry.holder(item.original) if item.had_own else None  # inherited: wrap the base
+                if holder is not None and holder.patch != record.name:
+                    raise PatchError(f"{item.target.symbol} holds the replacement that {holder.patch} installed at "
+                                     f"{holder.resolved.target.symbol}; two patches cannot change the same object")
                 if self.registry.is_ours(item):
                     continue
-                owner = self.registry.owner_patch(item.target.symbol)
-                if owner not in (None, record.name):
-                    raise PatchError(f"{item.target.symbol} is already patched by {owner}")
                 if item.had_own:  # an inherited attribute is the base's live behaviour: keep it wrapped
                     item = item._replace(original=self.registry.underlying(item.original))
                 self.registry.install(record.name, item, patch.replacement(item.target.symbol, item.original))
@@ -205,16 +265,33 @@ class Runtime:
         for item in done:
             if item.target.symbol not in record.applied_targets:
                 record.applied_targets.append(item.target.symbol)
-            if module_name in self._preimported:
-                refs = modules_referencing(item.original, exclude=(module_name,))
-                if refs:
-                    record.stale_refs[item.target.symbol] = refs
+        if done:
+            log.info("patch %s applied at %s; code: %s", record.name,
+                     ", ".join(item.target.symbol for item in done), self._provenance(record.name))
         if module_name in self._preimported and module_name not in record.imported_before_activation:
             record.imported_before_activation.append(module_name)
         if record.applied_targets:
             record.state = "applied"
         elif not record.waiting_for:
             raise PatchError("none of the optional targets exist: " + ", ".join(record.targets))
+
+    def _provenance(self, name: str) -> str:
+        provider = self._implementations.get(name)
+        return provider.describe() if provider else "unknown"
+
+    def _scan_stale(self, names: list) -> None:
+        """Name the modules that still hold an original, once every target of this round is patched
+        (scanning per target listed the copies that the same round patches a moment later)."""
+        for name in names:
+            record = self.records[name]
+            if record.state != "applied" or not record.imported_before_activation:
+                continue
+            record.stale_refs = {}
+            for symbol in record.applied_targets:
+                if symbol.split(":")[0] in record.imported_before_activation:
+                    refs = modules_referencing(self.registry.original(symbol))
+                    if refs:
+                        record.stale_refs[symbol] = refs
 
     def _fail(self, record: PatchRecord, exc: Exception, symbol: str | None) -> None:
         cause = str(exc) if isinstance(exc, (TargetNotFound, PatchError)) else f"{type(exc).__name__}: {exc}"
@@ -234,8 +311,12 @@ class Runtime:
                 raise PatchError(f"npu_fsdp_patches is inactive: {self.config_error}")
             names = list(names) or [n for n, r in self.records.items() if r.decision.enabled]
             self._check_known(names)
+            failures = []
             for name in names:
                 record = self.records[name]
+                if name not in self._implementations:
+                    raise PatchError(f"patch {name} cannot be applied: {record.error}", patch=name)
+                self._check_live(record)
                 if record.state == "applied":
                     continue
                 spec = self.matrix.patches[name]
@@ -243,7 +324,10 @@ class Runtime:
                 record.decision = Decision(True, "requested by apply()", True, not unverified, unverified)
                 record.state, record.error, record.note = "pending", None, None
                 self._probed.discard(name)
-                self._arm(name)
+                failures.extend(self._arm(name))
+            self._scan_stale(names)
+            if failures:
+                raise failures[0]
             return [self.records[n].as_dict() for n in names]
 
     def revert(self, names: Iterable[str]) -> list:
@@ -254,9 +338,13 @@ class Runtime:
             self._check_known(names)
             for name in names:
                 record = self.records[name]
-                errors = [e for s in self.registry.installed_for(name) if (e := self.registry.restore(s))]
-                record.state, record.applied_targets = "reverted", []
+                installed = self.registry.installed_for(name)
+                if not installed and record.state != "pending":
+                    continue   # never applied: nothing to restore, the state stays true
+                errors = [e for s in installed if (e := self.registry.restore(s))]
+                record.state, record.applied_targets, record.stale_refs = "reverted", [], {}
                 record.error = "; ".join(errors) or None
+                log.info("patch %s reverted%s", name, f" ({record.error})" if record.error else "")
             return [self.records[n].as_dict() for n in names]
 
     def _check_known(self, names: list) -> None:
@@ -265,9 +353,32 @@ class Runtime:
             raise PatchError(f"unknown patch(es) {', '.join(unknown)}; known patches: "
                              f"{', '.join(sorted(self.records))}")
 
+    def _check_live(self, record: PatchRecord) -> None:
+        """Make an ``applied`` record match the live targets (reload, overwrite, dropped module)."""
+        if record.state != "applied":
+            return
+        lost = {}
+        for symbol in list(record.applied_targets):
+            how = self.registry.liveness(symbol)
+            if how == "module gone":
+                self._module_discarded(symbol.split(":")[0])
+            elif how == "replaced":
+                lost[symbol] = how
+        if lost:
+            for symbol in lost:
+                self.registry.forget(symbol)
+                record.applied_targets.remove(symbol)
+            record.state = "failed"
+            record.error = (f"no longer installed at {', '.join(lost)} (module reloaded or attribute replaced "
+                            f"after apply); npu_fsdp_patches.apply({record.name!r}) applies it again")
+            log.warning("patch %s: %s", record.name, record.error)
+
     def status(self) -> list:
-        self.ensure_prepared()
-        return [r.as_dict() for r in self.records.values()]
+        with self._lock:
+            self.ensure_prepared()
+            for record in self.records.values():
+                self._check_live(record)
+            return [r.as_dict() for r in self.records.values()]
 
 
 RUNTIME = Runtime()

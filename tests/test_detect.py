@@ -1,4 +1,5 @@
 """Detection from metadata and files, never by importing the frameworks."""
+import json
 from pathlib import Path
 
 from tests.support import run_python
@@ -9,7 +10,7 @@ def make_dist(site: Path, name: str, version: str, modules: dict, top_level: str
     info = site / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "RECORD").write_text("")
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in modules))
     if top_level:
         (info / "top_level.txt").write_text(top_level + "\n")
     for rel, text in modules.items():
@@ -66,7 +67,7 @@ def test_megatron_source_checkout_read_statically(tmp_path):
     (pkg / "package_info.py").write_text("MAJOR = 0\nMINOR = 18\nPATCH = 0\nPRE_RELEASE = 'rc1'\n")
     mc = detect([tmp_path])["megatron_core"]
     assert mc["version"] == "0.18.0rc1" and mc["source"] == "source-tree version file"
-    assert mc["location"] == str(tmp_path / "megatron")
+    assert mc["location"] == str(tmp_path / "megatron" / "core")
 
 
 def test_hyper_parallel_commit_id_and_veomni(tmp_path):
@@ -86,3 +87,74 @@ def test_uninportable_torch_npu_is_detected_without_import(tmp_path):
               {"torch_npu/__init__.py": "raise ImportError('libascendcl.so: cannot open shared object file')\n"})
     npu = detect([tmp_path])["torch_npu"]
     assert (npu["installed"], npu["version"]) == (True, "2.8.0.post2")
+
+
+def detect_without_site_packages(tmp_path, paths):
+    """detect() in an interpreter without site-packages (the test venv has megatron-core installed):
+    only ``paths``, the plugin checkout and its two import-time dependencies are importable."""
+    import subprocess
+    import sys
+
+    import packaging
+    import yaml
+    from tests.support import REPO_ROOT
+    deps = tmp_path / "deps"
+    if not deps.exists():
+        deps.mkdir()
+        for module in (yaml, packaging):
+            (deps / module.__name__).symlink_to(Path(module.__file__).parent)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(map(str, [*paths, deps, REPO_ROOT]))}
+    proc = subprocess.run([sys.executable, "-S", "-c", DETECT.format(prelude="")], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["imported"] == [], "detection imported a framework"
+    return out["found"]
+
+
+def test_megatron_energon_alone_is_not_megatron_core_and_the_namespace_is_searched_everywhere(tmp_path):
+    energon, core = tmp_path / "energon", tmp_path / "core_checkout"
+    make_dist(energon, "megatron_energon", "7.2.0", {"megatron/energon/__init__.py": ""})   # namespace megatron
+    assert detect_without_site_packages(tmp_path, [energon])["megatron_core"]["installed"] is False
+    (core / "megatron" / "core").mkdir(parents=True)   # a second location of the namespace, no metadata
+    (core / "megatron" / "core" / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (core / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
+    mc = detect_without_site_packages(tmp_path, [energon, core])["megatron_core"]
+    assert (mc["installed"], mc["version"], mc["location"]) == (True, "0.16.1", str(core / "megatron" / "core"))
+
+
+def test_transformer_engine_meta_package_without_its_torch_extension_is_reported_as_such(tmp_path):
+    make_dist(tmp_path, "transformer_engine", "2.11.0", {})       # the registry's meta package: no code
+    make_dist(tmp_path, "transformer_engine_cu12", "2.11.0", {"transformer_engine/__init__.py": ""})
+    te = detect([tmp_path])["transformer_engine"]
+    assert (te["installed"], te["version"], te["source"]) == (False, "2.11.0", "meta package only")
+    assert te["note"] == ("transformer_engine 2.11.0 is only the meta package: transformer-engine-torch is not "
+                          "installed, so the framework cannot be imported")
+    make_dist(tmp_path, "transformer_engine_torch", "2.11.0", {"transformer_engine_torch.py": ""})
+    te = detect([tmp_path])["transformer_engine"]
+    assert (te["installed"], te["version"], te["flavor"]) == (True, "2.11.0", "nvidia")
+
+
+def test_transformer_engine_tree_without_metadata_has_an_unknown_flavour_and_a_warning(tmp_path):
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
+    proc = run_python("""
+import json, npu_fsdp_patches
+from npu_fsdp_patches.doctor import collect
+r = {x["name"]: x for x in npu_fsdp_patches.status()}
+print(json.dumps([npu_fsdp_patches.detect()["transformer_engine"], r["te_fused_adam_dtensor"]["reason"]]))
+""", paths=[tmp_path])
+    te, reason = json.loads(proc.stdout.splitlines()[-1])
+    assert (te["installed"], te["flavor"], te["flavor_rule"]) == (True, None, "no distribution metadata: flavour unknown")
+    assert te["note"].startswith("flavour unknown: no distribution metadata for ")
+    assert "flavour unknown, not npu" in reason
+
+
+def test_mindspeed_version_comes_from_its_source_tree_setup_py(tmp_path):
+    tree = tmp_path / "MindSpeed"
+    (tree / "mindspeed").mkdir(parents=True)
+    (tree / "mindspeed" / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (tree / "setup.py").write_text("import setuptools\n__version__ = '0.12.1'\n"
+                                   "setuptools.setup(name='mindspeed', version=__version__)\n")
+    ms = detect([tree])["mindspeed"]
+    assert (ms["installed"], ms["version"], ms["source"]) == (True, "0.12.1", "source-tree version file")

@@ -23,7 +23,8 @@ def test_doctor_json_healthy_schema_and_exit_0(tmp_path):
     report = json.loads(proc.stdout)
     assert (report["schema"], report["schema_version"], report["exit_code"]) == ("npu-fsdp-patches/doctor", 1, 0)
     assert set(report) == {"schema", "schema_version", "plugin", "environment", "frameworks", "patches",
-                           "warnings", "self_test", "exit_code"}
+                           "errors", "warnings", "self_test", "exit_code"}
+    assert report["errors"] == []
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"].startswith("2.")
     assert report["frameworks"]["demo"]["version"] == "1.2.0"
     shout = next(p for p in report["patches"] if p["name"] == "demo_shout")
@@ -84,13 +85,52 @@ def test_doctor_import_reports_unimportable_torch_npu(tmp_path):
     fake = tmp_path / "fake_npu"
     make_dist(fake, "torch_npu", "2.8.0.post2",
               {"torch_npu/__init__.py": "raise ImportError('libascendcl.so: cannot open shared object file')\n"})
-    report = json.loads(cli(tmp_path, "doctor", "--json", extra_paths=[fake]).stdout)
-    assert report["environment"]["torch_npu"] == {"installed": True, "version": "2.8.0.post2",
-                                                  "importable": None, "import_error": None}
-    report = json.loads(cli(tmp_path, "doctor", "--json", "--import", extra_paths=[fake]).stdout)
-    npu = report["environment"]["torch_npu"]
-    assert npu["importable"] is False
-    assert npu["import_error"] == "ImportError: libascendcl.so: cannot open shared object file"
+    for args in (("doctor", "--json"), ("doctor", "--json", "--import")):
+        proc = cli(tmp_path, *args, extra_paths=[fake])
+        report = json.loads(proc.stdout)
+        assert report["environment"]["torch_npu"] == {
+            "installed": True, "version": "2.8.0.post2", "importable": False,
+            "import_error": "ImportError: libascendcl.so: cannot open shared object file"}, args
+        assert proc.returncode == 1 and report["exit_code"] == 1, args
+
+
+def _broken_npu_sites(tmp_path):
+    """The torch_npu-without-CANN stand-in plus hyper-parallel, whose patch targets import torch."""
+    return [install_fixture("torch_npu_broken", tmp_path), install_fixture("hyper_parallel_new", tmp_path)]
+
+
+def test_doctor_with_torch_npu_but_no_cann_never_crashes_and_says_what_to_do(tmp_path):
+    sites = _broken_npu_sites(tmp_path)
+    for args in (("doctor", "--json", "--import"), ("doctor",)):
+        proc = cli(tmp_path, *args, extra_paths=sites, NPU_FSDP_PATCHES_MATRIX="")
+        assert proc.returncode == 1, (args, proc.returncode, proc.stderr[-2000:])
+        if "--json" not in args:
+            assert "Errors\n  - torch_npu 2.8.0.post2 is installed but cannot be imported: ImportError: " \
+                   "libhccl.so" in proc.stdout
+            continue
+        report = json.loads(proc.stdout)
+        env = report["environment"]
+        assert env["torch"].startswith("2.") and env["device"] is None
+        assert env["torch_npu"]["importable"] is False
+        assert env["torch_npu"]["import_error"] == ("ImportError: libhccl.so: cannot open shared object file: "
+                                                    "No such file or directory")
+        # the device probe ran with the user's environment: torch's autoload tried torch_npu there
+        assert "Failed to load the backend extension: torch_npu" in env["device_error"]
+        assert "libhccl.so" in report["errors"][0] and "set_env.sh" in report["errors"][0]
+        states = {p["name"]: p["state"] for p in report["patches"]}
+        assert states["hp_skip_dispatch_adamw"] != "applied"  # never claimed in a process without torch
+        assert report["errors"][1].startswith("patch targets not imported: `import torch` fails")
+
+
+def test_probe_children_get_the_autoload_switch_the_process_started_with(tmp_path):
+    code = """
+import os
+import npu_fsdp_patches.doctor as doctor
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"     # what a failed torch_npu import leaves behind
+print(doctor.user_environment().get("TORCH_DEVICE_BACKEND_AUTOLOAD"))
+"""
+    assert run_python(code).stdout.split() == ["None"]
+    assert run_python(code, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}).stdout.split() == ["1"]
 
 
 def test_explain_and_list(tmp_path):
@@ -155,3 +195,76 @@ print(json.dumps(out))
         assert rc == 0, name
         assert "What it changes:" in text and "Upstream " in text and "Facts: " in text, name
         assert max(len(line) for line in text.splitlines()) <= 100, name
+
+
+def test_doctor_shows_each_patch_provenance(tmp_path):
+    proc = cli(tmp_path, "doctor")
+    lines = proc.stdout.splitlines()
+    start = lines.index("Patch code (distribution and version)")
+    assert lines[start + 1] == "  demo_shout                  demo-patches 0.1.0 entry point demo_patches:Shout"
+    report = json.loads(cli(tmp_path, "doctor", "--json").stdout)
+    assert report["patches"][0]["provenance"] == {"value": "demo_patches:Shout", "distribution": "demo-patches",
+                                                  "version": "0.1.0", "builtin": False}
+
+
+def _entry(tmp_path, entry, *args, **env):
+    """Run the real console script or ``python -m npu_fsdp_patches`` (how users start the CLI)."""
+    import os
+    from pathlib import Path
+    site = install_fixture("core_demo", tmp_path)
+    start = ([str(Path(sys.executable).parent / "npu-fsdp-patches")] if entry == "script"
+             else [sys.executable, "-m", "npu_fsdp_patches"])
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
+    child_env.update(demo_env(site), PYTHONPATH=str(site), **env)
+    return subprocess.run(start + list(args), capture_output=True, text=True, env=child_env, timeout=300)
+
+
+def test_strict_mode_with_a_config_error_gives_exit_2_and_complete_json_for_every_command(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema_version: [\n")
+    for entry, args, env in (("script", ("doctor", "--json"), {"NPU_FSDP_PATCHES_LOG": "loud"}),
+                             ("module", ("list", "--json"), {"NPU_FSDP_PATCHES_MATRIX": str(bad)}),
+                             ("script", ("explain", "demo_shout", "--json"), {"NPU_FSDP_PATCHES_MATRIX": str(bad)})):
+        proc = _entry(tmp_path, entry, *args, NPU_FSDP_PATCHES_STRICT="1", **env)
+        assert proc.returncode == 2, (entry, args, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+        report = json.loads(proc.stdout)
+        assert report["exit_code"] == 2 and report["plugin"]["strict"] is True
+        expected = "NPU_FSDP_PATCHES_LOG='loud'" if "NPU_FSDP_PATCHES_LOG" in env else f"{bad}:2: YAML error"
+        assert report["plugin"]["config_error"].startswith(expected), report["plugin"]
+    proc = _entry(tmp_path, "module", "list", NPU_FSDP_PATCHES_STRICT="1", NPU_FSDP_PATCHES_MATRIX=str(bad))
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("YAML error: did not find expected node content")
+    healthy = json.loads(_entry(tmp_path, "module", "list", "--json").stdout)
+    assert healthy["exit_code"] == 0 and [p["name"] for p in healthy["patches"]][0] == "demo_shout"
+
+
+def test_version_and_help_without_rst_markup(tmp_path):
+    proc = _entry(tmp_path, "script", "--version")
+    assert (proc.returncode, proc.stdout.strip()) == (0, "npu-fsdp-patches 0.1.0")
+    proc = _entry(tmp_path, "module", "-h")
+    assert proc.returncode == 0 and "``" not in proc.stdout and "--version" in proc.stdout
+
+
+def test_doctor_wraps_long_warnings_instead_of_cutting_them_and_prints_each_once():
+    from npu_fsdp_patches.render import doctor_text
+    long_error = "import x: RuntimeError: " + "word " * 40 + "THE-END"
+    report = {"plugin": {"version": "0", "matrix": "m.yaml", "config_error": None},
+              "environment": {"python": "3", "platform": "p", "torch": "2", "device": "cpu", "device_error": None,
+                              "torch_npu": {"installed": False}},
+              "frameworks": {}, "patches": [], "errors": [], "warnings": [long_error, long_error], "exit_code": 0}
+    lines = doctor_text(report).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert sum(line.startswith("  - import x") for line in lines) == 1
+    assert "THE-END" in "".join(lines) and not any(line.endswith("…") for line in lines)
+
+
+def test_doctor_text_says_unknown_version_instead_of_none():
+    from npu_fsdp_patches.render import doctor_text
+    fw = {"installed": True, "version": None, "flavor": None, "commit": None, "source": "find_spec (no version found)",
+          "location": "/x/megatron/core", "distribution": None}
+    report = {"plugin": {"version": "0", "matrix": "m.yaml", "config_error": None},
+              "environment": {"python": "3", "platform": "p", "torch": "2", "device": "cpu", "device_error": None,
+                              "torch_npu": {"installed": False}},
+              "frameworks": {"megatron_core": fw}, "patches": [], "errors": [], "warnings": [], "exit_code": 0}
+    line = next(x for x in doctor_text(report).splitlines() if x.startswith("  megatron_core"))
+    assert "None" not in line and "unknown version" in line

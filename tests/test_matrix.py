@@ -76,3 +76,73 @@ def test_unknown_patch_in_matrix_is_a_matrix_error(tmp_path):
     result, proc = run_demo(tmp_path, IMPORT_PLUGIN, NPU_FSDP_PATCHES_MATRIX=str(bad), NPU_FSDP_PATCHES_STRICT="1")
     assert result["raised"] == "MatrixError"
     assert result["message"].startswith(f"{bad}:5 at patches.p1: unknown patch 'p1'")
+
+
+FRAMEWORK_WITH_RULES = GOOD.replace(
+    "  demo: {distributions: [demo-framework], module: demo_target}",
+    "  demo:\n    distributions: [demo-framework]\n    module: demo_target\n"
+    "    flavors:\n      - {flavor: a, distribution_matches: '^demo'}")
+
+
+@pytest.mark.parametrize("text, key_path, line, fragment", [
+    (GOOD.replace("module: demo_target", "module: [x]"), "frameworks.demo.module", 3, "expected a string"),
+    (FRAMEWORK_WITH_RULES.replace("'^demo'", "5"), "frameworks.demo.flavors[0].distribution_matches", 7,
+     "expected a string"),
+    (FRAMEWORK_WITH_RULES.replace("{flavor: a,", "{flavor: 5,"), "frameworks.demo.flavors[0].flavor", 7,
+     "expected a string"),
+    (GOOD.replace('{version: ">=1.0"}', '{flavor: [npu]}'), "patches.p1.gate[0].demo.flavor", 9,
+     "expected a string"),
+    (GOOD.replace("    summary: s", "    summary: s\n    stand_down_probe: [probe]"),
+     "patches.p1.stand_down_probe", 7, "expected a string"),
+    (GOOD.replace("schema_version: 1", 'schema_version: "1"'), "schema_version", 1, "expected an integer"),
+    (GOOD.replace("schema_version: 1", "schema_version: true"), "schema_version", 1, "expected an integer"),
+    (GOOD.replace("    summary: s", "    summary: s\n    summary: t"), "patches.p1.summary", 7,
+     "duplicate key 'summary' (first at line 6)"),
+    (GOOD.replace("frameworks:", "patches: {}\nframeworks:"), "patches", 5, "duplicate key 'patches' (first at line 2)"),
+    (GOOD.replace("summary: s", "summary: !!python/name:os.system"), "", 6,
+     "YAML tag 'tag:yaml.org,2002:python/name:os.system' is not allowed"),
+    (GOOD.replace("schema_version: 1", "schema_version: !!int 1"), "", 1, "YAML tag"),
+    (GOOD.replace("    summary: s", "    summary: s\n    verified: {demo: [1.2]}"), "patches.p1.verified.demo[0]",
+     7, "expected a string (quote numbers)"),
+    (GOOD.replace("    summary: s", "    summary: s\n    upstream: {issues: issue-1}"), "patches.p1.upstream.issues",
+     7, "expected a list of strings"),
+    (GOOD.replace("    summary: s", "    summary: s\n    1: x"), "patches.p1", 7, "keys must be strings"),
+])
+def test_wrong_types_tags_and_duplicates_name_file_key_path_and_line(text, key_path, line, fragment):
+    with pytest.raises(MatrixError) as info:
+        parse_matrix(text, "bad.yaml")
+    err = info.value
+    assert (err.file, err.key_path, err.line) == ("bad.yaml", key_path, line), str(err)
+    assert fragment in str(err) and str(err).startswith(f"bad.yaml:{line}")
+
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]\n" for i in range(8))
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (ALIAS_BOMB, "after alias expansion (an alias bomb?)"),
+    ("a: " + "[" * 40 + "]" * 40 + "\n", "levels after alias expansion"),
+    ("# pad\n" * 200_000, "larger than 1048576 bytes"),
+])
+def test_hostile_matrix_is_rejected_quickly_and_the_import_survives(tmp_path, body, fragment):
+    bad = tmp_path / "hostile.yaml"
+    bad.write_text(body)
+    result, proc = run_demo(tmp_path, """
+import npu_fsdp_patches, demo_target
+emit(status=npu_fsdp_patches.status(), greet=demo_target.greet("x"))
+""", NPU_FSDP_PATCHES_MATRIX=str(bad))   # run_python's timeout fails the test if expansion hangs
+    assert result == {"status": [], "greet": "hello x"}
+    assert str(bad) in proc.stderr and fragment in proc.stderr
+
+
+def test_wrongly_typed_matrix_leaves_the_import_working(tmp_path):
+    bad = tmp_path / "typed.yaml"
+    bad.write_text(GOOD.replace("module: demo_target", "module: [x]"))
+    result, proc = run_demo(tmp_path, """
+import npu_fsdp_patches, demo_target
+emit(status=npu_fsdp_patches.status(), greet=demo_target.greet("x"))
+""", NPU_FSDP_PATCHES_MATRIX=str(bad))
+    assert result == {"status": [], "greet": "hello x"}
+    assert f"{bad}:3 at frameworks.demo.module: expected a string" in proc.stderr
+    assert "Traceback" not in proc.stderr
