@@ -1,11 +1,11 @@
-"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list."""
+"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from . import loader
+from . import loader, selftest
 from .doctor import EXIT_BAD_CONFIG, collect
 from .render import doctor_text, explain_text, list_text
 from .runtime import RUNTIME
@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="why a patch would or would not apply, and what it changes")
     explain.add_argument("name")
     sub.add_parser("list", help="list every patch in the matrix")
+    selftest.add_arguments(sub.add_parser(
+        "self-test", help="run every enabled patch's checks on this machine's devices, backend and ranks"))
     return parser
 
 
@@ -41,6 +43,8 @@ def _patch_doc(name: str) -> str | None:
 def main(argv: list | None = None) -> int:
     args = _parser().parse_args(argv)
     command = args.command or "doctor"
+    if command == "self-test":
+        return selftest.main(args)
     if command == "doctor":
         report = collect(try_import=getattr(args, "try_import", False),
                          self_test=getattr(args, "self_test", False))
