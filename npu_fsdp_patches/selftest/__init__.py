@@ -67,13 +67,12 @@ def _finish(plan: Plan, versions: dict, checks: list, ranks, timed_out: bool, wo
     result = report.assemble(plan, versions, ordered, ranks, timed_out, world)
     if log_tail and any(r["state"] not in ("finished",) for r in ranks or []):
         _emit("--- torch.distributed.run output (tail) ---\n" + log_tail.strip(), as_json)
+    for c in result["checks"]:
+        if c["status"] == "skipped":
+            _emit(report.check_line(c), as_json)
+    _emit(report.summary(result), as_json)
     if as_json:
         print(json.dumps(result, indent=2, default=str))
-    else:
-        for c in result["checks"]:
-            if c["status"] in ("skipped", "not run"):
-                print(report.check_line(c))
-        print(report.summary(result))
     return result["exit_code"]
 
 
@@ -92,9 +91,10 @@ def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
     if not plan.checks:
         return _finish(plan, versions, [], None, False, plan.nproc_per_node, as_json)
     checks, ranks, timed_out, log_tail = launch(plan, lambda c: _emit(report.check_line(c), as_json))
-    for c in checks:
+    for c in checks:  # progress showed only the checks every rank finished
         if c["status"] == "not run":
             c["reason"] = "not every rank finished it"
+        if c["reason"]:
             _emit(report.check_line(c), as_json)
     return _finish(plan, versions, checks, ranks, timed_out, plan.nproc_per_node, as_json, log_tail)
 
@@ -117,7 +117,8 @@ def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
 
     every = run_rank(plan, on_result=on_result if lead else None, status=status) if plan.checks else []
     checks = [report.merge(name, per_rank) for name, per_rank in zip(plan.checks, every)]
-    ranks = [{"rank": r, "state": "finished", "check": None, "seconds_in_check": None, "error": None}
+    ranks = [{"rank": r, "state": "finished", "check": None, "last_finished": plan.checks[-1] if plan.checks else None,
+              "seconds_in_check": None, "error": None}
              for r in range(job["world_size"])]
     if not lead:
         return _exit_code(checks)

@@ -84,9 +84,10 @@ def rank_states(statuses: list, alive: list, timed_out: bool, log: str = "") -> 
     culprit = None if timed_out else _first_failure(log)
     out = []
     for rank, status in enumerate(statuses):
-        entry = {"rank": rank, "state": "not started", "check": None, "seconds_in_check": None, "error": None}
+        entry = {"rank": rank, "state": "not started", "check": None, "last_finished": None,
+                 "seconds_in_check": None, "error": None}
         if status is not None:
-            entry["check"] = status["current"]
+            entry["check"], entry["last_finished"] = status["current"], status["last"]
             if status["current"] and status["started"]:
                 entry["seconds_in_check"] = round(now - status["started"], 1)
             if status["done"]:

@@ -42,7 +42,7 @@ class StatusFile:
 
     def __init__(self, folder: str, rank: int) -> None:
         self.path = os.path.join(folder, f"rank{rank}.json") if folder else ""
-        self.data = {"rank": rank, "pid": os.getpid(), "current": None, "started": None,
+        self.data = {"rank": rank, "pid": os.getpid(), "current": None, "last": None, "started": None,
                      "results": {}, "done": False, "error": None}
         self.write()
 
@@ -111,7 +111,7 @@ def run_rank(plan: Plan, on_result: Optional[Callable[[str, list], None]] = None
                 misbehave(rank)
             result = run_check(name, ctx)
             status.data["results"][name] = result
-            status.update(current=None)
+            status.update(current=None, last=name)
             gathered = [None] * world
             dist.all_gather_object(gathered, result)
             every.append(gathered)

@@ -15,8 +15,9 @@ JSON schema ``npu-fsdp-patches/self-test`` version 1 (README, "Self-test on your
                                        "expected": float, "got": float},
              "error": null | {"rank": int, "message": str, "traceback": str},
              "details": {...}}          # check-specific figures reported by rank 0 (steps, ...)
-    RANK = {"rank": int, "state": "finished" | "hung" | "died" | "not started" | "failed",
-            "check": str | null, "seconds_in_check": float | null, "error": str | null}
+    RANK = {"rank": int, "state": "finished" | "hung" | "died" | "stopped" | "failed" | "not started",
+            "check": str | null, "last_finished": str | null, "seconds_in_check": float | null,
+            "error": str | null}
 """
 from __future__ import annotations
 
@@ -38,13 +39,15 @@ def merge(name: str, per_rank: list) -> dict:
     if skipped is not None:
         check.update(status="skipped", reason=skipped, seconds=max(r.get("seconds", 0) for r in results))
         return check
-    passed = len(results) == len(per_rank) and all(r.get("passed") for r in results)
+    missing = [rank for rank, r in enumerate(per_rank) if r is None]
+    passed = not missing and all(r.get("passed") for r in results)
     errors = [max(0.0, r["max_abs_error"]) for r in results if r.get("max_abs_error") is not None]
     first = next(({"rank": i, **r["first_mismatch"]} for i, r in enumerate(per_rank)
                   if r and r.get("first_mismatch")), None)
     error = next(({"rank": i, "message": r["error"], "traceback": r.get("traceback", "")}
                   for i, r in enumerate(per_rank) if r and r.get("error")), None)
     check.update(status="passed" if passed else "failed",
+                 reason=f"no result from rank(s) {', '.join(map(str, missing))}" if missing else None,
                  seconds=max(r.get("seconds", 0.0) for r in results),
                  elements=sum(r.get("elements") or 0 for r in results),
                  mismatches=sum(r.get("mismatches") or 0 for r in results),
@@ -91,6 +94,8 @@ def check_line(check: dict) -> str:
         return f"{line} {check['reason'] or check['status']}"
     line += (f" {check['seconds']:7.2f} s  elements {check['elements']}  mismatches {check['mismatches']}"
              f"  max abs error {_number(check['max_abs_error'])}  tolerance {_tolerance(check['tolerance'])}")
+    if check["reason"]:
+        line += f"\n       {check['reason']}"
     first = check["first_mismatch"]
     if first:
         line += (f"\n       first mismatch: rank {first['rank']} {first['what']} index {first['index']}: "
@@ -122,7 +127,8 @@ def summary(report: dict) -> str:
     lines = []
     for r in report["ranks"] or []:
         if r["state"] != "finished":
-            where = f" in check {r['check']}" if r["check"] else ""
+            where = f" in check {r['check']}" if r["check"] else \
+                f" after check {r['last_finished']} (waiting for the other ranks)" if r["last_finished"] else ""
             spent = f" ({r['seconds_in_check']:.1f} s in it)" if r["seconds_in_check"] is not None else ""
             lines.append(f"rank {r['rank']}: {r['state']}{where}{spent}" + (f": {r['error']}" if r["error"] else ""))
     if report["timed_out"]:

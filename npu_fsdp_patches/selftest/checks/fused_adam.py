@@ -77,11 +77,11 @@ def _dcp_round_trip(ctx: Context, cmp: Comparison, label: str, params: list, opt
     template = {"model": {f"p{i}": p for i, p in enumerate(loaded)}, "optim": loaded_opt.state_dict()}
     dcp.load(template, checkpoint_id=checkpoint)
     loaded_opt.load_state_dict(template["optim"])
-    if planted(NAME):
-        nudge(loaded[0])
     for step in range(STEPS, STEPS + RESUME_STEPS):
         _step(ctx, params, opt, step, decoupled)
         _step(ctx, loaded, loaded_opt, step, decoupled)
+    if planted(NAME):
+        nudge(loaded[0])
     for i, (p, q) in enumerate(zip(params, loaded)):
         cmp.exact(f"{label} dcp param {i}", full(p), full(q))
         for key, value in opt.state[p].items():

@@ -92,10 +92,10 @@ def run(ctx: Context) -> dict:
     dist.barrier()
     resumed_model, resumed_opt = _build(ctx)
     branch = load_checkpoint(checkpoint, resumed_model, resumed_opt)
-    if planted(NAME):
-        nudge(next(iter(resumed_opt.main_params_by_fqn().values())))
     for step in range(SAVE_AFTER, STEPS):
         _train_step(ctx, resumed_model, resumed_opt, step)
+    if planted(NAME):
+        nudge(next(iter(resumed_opt.main_params_by_fqn().values())))
     resumed = _snapshot(resumed_model, resumed_opt)
     cmp = Comparison()
     for key, expected in uninterrupted.items():
