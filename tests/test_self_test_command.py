@@ -97,6 +97,7 @@ run("cuda_absent", "--device", "cuda", "--nproc-per-node", "1")
 run("backend", "--device", "cpu", "--backend", "nccl")
 run("only", "--only", "fused_adam,nope")
 run("zero", "--device", "cpu", "--nproc-per-node", "0")
+run("workdir", "--device", "cpu", "--workdir", "/nonexistent/self-test")
 options._device_count = lambda torch, device: 1 if device == "cuda" else 0   # one visible cuda device
 run("too_many", "--device", "cuda", "--nproc-per-node", "2")
 run("cuda_gloo", "--device", "cuda", "--backend", "gloo")
@@ -112,6 +113,7 @@ def test_bad_options_exit_2_with_a_clear_reason():
         "backend": "--backend nccl cannot run FSDP2 collectives on cpu tensors; use --backend gloo",
         "only": "--only 'fused_adam,nope': unknown check(s) nope; known: adamw_step,",
         "zero": "--nproc-per-node 0: need at least 1 rank",
+        "workdir": "--workdir /nonexistent/self-test: not an existing folder",
         "too_many": "--nproc-per-node 2: only 1 cuda device(s) visible on this node",
         "cuda_gloo": "--backend gloo cannot run FSDP2 collectives on cuda tensors; use --backend nccl",
     }

@@ -50,24 +50,40 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _children(parent: int) -> set:
+    """Pids whose parent is ``parent`` (Linux /proc; torchrun starts each rank in its own session)."""
+    found = set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.add(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def _stop(proc: subprocess.Popen, statuses: list) -> None:
-    """SIGTERM the launcher's process group, then SIGKILL it and every rank pid still there."""
-    for sig, wait in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, TERM_GRACE_S)):
+    """SIGTERM torchrun (it stops its ranks), then SIGKILL its group and every rank still there."""
+    ranks = _children(proc.pid) | {s["pid"] for s in statuses if s}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        for status in statuses:
-            if status and sig == signal.SIGKILL and _alive(status["pid"]):
-                try:
-                    os.kill(status["pid"], sig)
-                except ProcessLookupError:
-                    pass
+        for pid in ranks if sig == signal.SIGKILL else ():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
         try:
-            proc.wait(timeout=wait)
+            proc.wait(timeout=TERM_GRACE_S)
         except subprocess.TimeoutExpired:
             continue
-        if sig == signal.SIGTERM and not any(s and _alive(s["pid"]) for s in statuses):
+        deadline = time.monotonic() + TERM_GRACE_S
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if not any(_alive(pid) for pid in ranks):
             return
 
 

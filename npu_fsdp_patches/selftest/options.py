@@ -131,6 +131,8 @@ def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
         raise OptionError(f"--nproc-per-node {nproc}: need at least 1 rank")
     if device != "cpu" and nproc > count and not job:
         raise OptionError(f"--nproc-per-node {nproc}: only {count} {device} device(s) visible on this node")
+    if args.workdir and not os.path.isdir(args.workdir):
+        raise OptionError(f"--workdir {args.workdir}: not an existing folder")
     if args.timeout <= 0:
         raise OptionError(f"--timeout {args.timeout}: need a positive number of seconds")
     skipped = {name: why_not(name, decisions) for name in wanted}

@@ -100,8 +100,9 @@ def run_rank(plan: Plan, on_result: Optional[Callable[[str, list], None]] = None
     dist.init_process_group(plan.backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=plan.timeout))
     try:
-        workdir = [plan.workdir or (tempfile.mkdtemp(prefix="npu_fsdp_self_test_") if rank == 0 else None)]
-        dist.broadcast_object_list(workdir, src=0)  # one folder for all ranks (DCP needs it shared)
+        # one fresh folder for all ranks (DCP needs it shared), removed at the end
+        workdir = [tempfile.mkdtemp(prefix="npu_fsdp_self_test_", dir=plan.workdir or None) if rank == 0 else None]
+        dist.broadcast_object_list(workdir, src=0)
         ctx = Context(rank=rank, world=world, device=device, workdir=workdir[0],
                       mesh=init_device_mesh(device.type, (world,)))
         every = []
@@ -118,7 +119,7 @@ def run_rank(plan: Plan, on_result: Optional[Callable[[str, list], None]] = None
             if rank == 0 and on_result is not None:
                 on_result(name, gathered)
         dist.barrier()
-        if rank == 0 and not plan.workdir:
+        if rank == 0:
             shutil.rmtree(workdir[0], ignore_errors=True)
         status.update(done=True)
         return every
