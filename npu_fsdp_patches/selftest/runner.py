@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 
+from . import report
 from .checks import CHECKS
 from .options import EXIT_BAD_OPTIONS, OptionError, Plan, resolve
 
@@ -58,7 +59,6 @@ def _emit(text: str, as_json: bool) -> None:
 
 def _finish(plan: Plan, versions: dict, checks: list, ranks, timed_out: bool, world: int, as_json: bool,
             log_tail: str = "") -> int:
-    from . import report  # pylint: disable=import-outside-toplevel
 
     ordered = list(checks) + [report.skipped(n, why) for n, why in plan.skipped.items()]
     ordered.sort(key=lambda c: list(CHECKS).index(c["name"]))
@@ -75,7 +75,6 @@ def _finish(plan: Plan, versions: dict, checks: list, ranks, timed_out: bool, wo
 
 
 def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
-    from . import report  # pylint: disable=import-outside-toplevel
     from .launcher import launch  # pylint: disable=import-outside-toplevel
 
     _emit(report.header({"versions": versions, "world_size": plan.nproc_per_node, "device": plan.device,
@@ -93,7 +92,6 @@ def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
 
 def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
     """Every rank of the job runs this; rank 0 prints. A watchdog ends a rank still here at --timeout."""
-    from . import report  # pylint: disable=import-outside-toplevel
     from .rank import StatusFile, job_env, run_rank  # pylint: disable=import-outside-toplevel
 
     job = job_env()
