@@ -1,11 +1,11 @@
-"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list."""
+"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
-from . import __version__, loader
+from . import __version__, loader, selftest
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .render import doctor_text, explain_text, list_text
 from .runtime import RUNTIME
@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true", help="one JSON object (schema npu-fsdp-patches/explain)")
     listing = sub.add_parser("list", help="list every patch in the matrix")
     listing.add_argument("--json", action="store_true", help="one JSON object (schema npu-fsdp-patches/list)")
+    selftest.add_arguments(sub.add_parser(
+        "self-test", help="run every enabled patch's checks on this machine's devices, backend and ranks"))
     return parser
 
 
@@ -59,6 +61,8 @@ def _emit(as_json: bool, command: str, exit_code: int, text: str | None, error: 
 def main(argv: list | None = None) -> int:
     args = _parser().parse_args(argv)
     command = args.command or "doctor"
+    if command == "self-test":
+        return selftest.main(args)
     as_json = getattr(args, "json", False)
     if command == "doctor":
         try:

@@ -1,9 +1,11 @@
 """Packaging (DESIGN §2): a fresh venv, a plain checkout on PYTHONPATH, then a non-editable install."""
+import importlib.util
 import json
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,6 +78,15 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
     listed = subprocess.run([python, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
                             timeout=120, cwd=root, env=clean_env)
     assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 4
+
+    # self-test from the wheel alone: torch comes from the test's own site-packages on PYTHONPATH, the
+    # plugin (and every rank torchrun starts) from the installed copy; the sources are gone
+    torch_site = str(Path(importlib.util.find_spec("torch").origin).parent.parent)
+    ran = subprocess.run([venv / "bin" / "npu-fsdp-patches", "self-test", "--device", "cpu", "--only",
+                          "foreach_adamw", "--json"], capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**clean_env, "PYTHONPATH": torch_site, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert [(c["name"], c["status"]) for c in json.loads(ran.stdout)["checks"]] == [("foreach_adamw", "passed")]
 
 
 def test_pyproject_entry_points_match_the_builtin_table():

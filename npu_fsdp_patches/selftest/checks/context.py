@@ -1,0 +1,30 @@
+"""What every check gets: this rank's device, a 1-D mesh over all ranks, data made the same everywhere."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: param shapes: even, uneven (7 rows on 2 or 8 ranks) and empty (1 row: nothing past rank 0) shards
+SHAPES = ((16, 8), (7,), (1,), (5, 3))
+
+
+@dataclass
+class Context:
+    rank: int
+    world: int
+    device: torch.device
+    mesh: Any
+    workdir: str
+
+    def tensor(self, seed: int, shape, dtype: torch.dtype = torch.float32, span: float = 3.0) -> torch.Tensor:
+        """Identical on every rank (made on CPU from ``seed``): magnitudes 10**-span..1, random signs."""
+        gen = torch.Generator().manual_seed(seed)
+        magnitude = torch.pow(10.0, -span * torch.rand(shape, generator=gen))
+        sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0)
+        return (magnitude * sign).to(device=self.device, dtype=dtype)
+
+    def grad(self, step: int, index: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Grads from far below one bf16 ulp of the params (1e-10) up to O(1)."""
+        return self.tensor(10_000 * step + index, shape, dtype, span=10.0)

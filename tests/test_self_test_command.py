@@ -1,0 +1,195 @@
+"""``npu-fsdp-patches self-test`` end to end on cpu/gloo with 2 ranks, in fresh interpreters.
+
+Every applicable check passes in the base environment and, with the TE and hyper-parallel fixtures on
+PYTHONPATH, the TE and hyper checks too; a planted one-ulp bug (the test-only
+NPU_FSDP_PATCHES_SELF_TEST_PLANT hook) fails each check; bad options exit 2; the rank body also runs
+inside a torchrun job and an srun step; a hung or dead rank is reported by rank and nothing stays up.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from tests.support import REPO_ROOT, install_fixture, run_python
+
+BASE_CHECKS = ["adamw_step", "fused_adam", "main_params", "foreach_adamw"]
+FIXTURE_CHECKS = ["te_fused_adam", "hyper_skip_dispatch"]
+LAUNCH_TIMEOUT = 600
+
+
+def self_test(*args, paths=(), env=None, timeout=LAUNCH_TIMEOUT, cwd=None):
+    """Run the real CLI in a fresh interpreter; returns (exit code, parsed JSON or None, process)."""
+    code = "import sys; from npu_fsdp_patches.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = run_python(f"import sys; sys.argv[1:] = {['self-test', *args]!r}\n" + code, paths=paths,
+                      env=env, timeout=timeout, cwd=cwd, check=False)
+    report = json.loads(proc.stdout) if "--json" in args and proc.stdout.strip() else None
+    return proc.returncode, report, proc
+
+
+def by_name(report):
+    return {c["name"]: c for c in report["checks"]}
+
+
+def fixture_sites(tmp_path, te, hyper):
+    return [install_fixture(te, tmp_path), install_fixture(hyper, tmp_path)]
+
+
+def test_every_applicable_check_passes_in_the_base_env(tmp_path):
+    rc, report, proc = self_test("--device", "cpu", "--json", cwd=tmp_path)
+    assert rc == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert (report["schema"], report["schema_version"], report["mode"]) == ("npu-fsdp-patches/self-test", 1,
+                                                                            "launched")
+    assert (report["device"], report["backend"], report["world_size"]) == ("cpu", "gloo", 2)
+    assert report["versions"]["torch"].startswith("2.") and report["versions"]["torch_npu"] is None
+    assert report["versions"]["frameworks"]["megatron_core"] == "0.16.1"
+    checks = by_name(report)
+    for name in BASE_CHECKS:
+        assert checks[name]["status"] == "passed", checks[name]
+        assert checks[name]["mismatches"] == 0 and checks[name]["elements"] > 0
+        assert checks[name]["seconds"] > 0 and checks[name]["first_mismatch"] is None
+    for name in FIXTURE_CHECKS:
+        assert checks[name]["status"] == "skipped" and "is not installed" in checks[name]["reason"]
+    assert [r["state"] for r in report["ranks"]] == ["finished", "finished"]
+    assert "[PASS] foreach_adamw" in proc.stderr and "PASSED: 4 passed, 2 skipped (exit 0)" in proc.stderr
+
+
+@pytest.mark.parametrize("te, hyper", [("te_npu_prefix", "hyper_parallel_new"),
+                                       ("te_nvidia_2_11", "hyper_parallel_old")])
+def test_te_and_hyper_checks_pass_on_the_fixtures(tmp_path, te, hyper):
+    rc, report, proc = self_test("--only", ",".join(FIXTURE_CHECKS), "--json",
+                                 paths=fixture_sites(tmp_path, te, hyper))
+    assert rc == 0, proc.stderr[-6000:]
+    checks = by_name(report)
+    assert [checks[n]["status"] for n in FIXTURE_CHECKS] == ["passed", "passed"], report["checks"]
+    assert checks["te_fused_adam"]["elements"] > 0 and checks["hyper_skip_dispatch"]["details"]["steps"] == 20
+    assert set(report["versions"]["frameworks"]) >= {"transformer_engine", "hyper_parallel"}
+
+
+def test_a_planted_one_ulp_bug_fails_each_check(tmp_path):
+    plants = ",".join(BASE_CHECKS + FIXTURE_CHECKS)
+    rc, report, proc = self_test("--json", paths=fixture_sites(tmp_path, "te_npu_prefix", "hyper_parallel_new"),
+                                 env={"NPU_FSDP_PATCHES_SELF_TEST_PLANT": plants})
+    assert rc == 1, proc.stderr[-6000:]
+    for name, check in by_name(report).items():
+        assert check["status"] == "failed", check
+        assert check["error"] is None, check["error"]          # a mismatch, not a crash
+        assert check["mismatches"] >= 1 and check["first_mismatch"]["rank"] in (0, 1), check
+        first = check["first_mismatch"]
+        assert first["expected"] != first["got"] and isinstance(first["index"], list), first
+    assert "first mismatch: rank" in proc.stderr and "FAILED: 6 failed (exit 1)" in proc.stderr
+
+
+_BAD_OPTIONS = r"""
+import contextlib, io, json, sys
+from npu_fsdp_patches.cli import main
+from npu_fsdp_patches.selftest import options
+out = {}
+def run(key, *argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        out[key] = [main(["self-test", *argv]), err.getvalue()]
+run("npu_absent", "--device", "npu")
+run("cuda_absent", "--device", "cuda", "--nproc-per-node", "1")
+run("backend", "--device", "cpu", "--backend", "nccl")
+run("only", "--only", "fused_adam,nope")
+run("zero", "--device", "cpu", "--nproc-per-node", "0")
+run("workdir", "--device", "cpu", "--workdir", "/nonexistent/self-test")
+options._device_count = lambda torch, device: 1 if device == "cuda" else 0   # one visible cuda device
+run("too_many", "--device", "cuda", "--nproc-per-node", "2")
+run("cuda_gloo", "--device", "cuda", "--backend", "gloo")
+print(json.dumps(out))
+"""
+
+
+def test_bad_options_exit_2_with_a_clear_reason():
+    out = json.loads(run_python(_BAD_OPTIONS).stdout)
+    expected = {
+        "npu_absent": "--device npu: no npu device is visible to this process (torch.npu.is_available() is false; torch_npu is not installed)",
+        "cuda_absent": "--device cuda: no cuda device is visible",
+        "backend": "--backend nccl cannot run FSDP2 collectives on cpu tensors; use --backend gloo",
+        "only": "--only 'fused_adam,nope': unknown check(s) nope; known: adamw_step,",
+        "zero": "--nproc-per-node 0: need at least 1 rank",
+        "workdir": "--workdir /nonexistent/self-test: not an existing folder",
+        "too_many": "--nproc-per-node 2: only 1 cuda device(s) visible on this node",
+        "cuda_gloo": "--backend gloo cannot run FSDP2 collectives on cuda tensors; use --backend nccl",
+    }
+    for key, needle in expected.items():
+        rc, err = out[key]
+        assert rc == 2 and needle in err, (key, rc, err)
+
+
+def _clean_env(extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPU_FSDP_PATCHES", "SLURM_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **extra})
+    return env
+
+
+def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_reports(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "npu_fsdp_patches", "self-test", "--only", "foreach_adamw", "--json"],
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=tmp_path, env=_clean_env({}))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    report = json.loads(proc.stdout)                      # rank 1 printed nothing
+    assert (report["mode"], report["world_size"], report["nproc_per_node"]) == ("in_job", 2, None)
+    assert by_name(report)["foreach_adamw"]["status"] == "passed"
+
+
+def test_inside_an_srun_step_ranks_come_from_slurm_variables(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-m", "npu_fsdp_patches", "self-test", "--only", "foreach_adamw",
+                               "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env=_clean_env({"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+                                              "SLURM_STEP_ID": "0", "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port)}))
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-4000:] + outs[1][1][-4000:]
+    assert outs[1][0] == ""
+    report = json.loads(outs[0][0])
+    assert (report["mode"], report["world_size"]) == ("in_job", 2)
+    assert by_name(report)["foreach_adamw"]["status"] == "passed"
+
+
+def _processes_with(marker):
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if marker.encode() in fh.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("plant, states", [("hang:1", ["hung", "hung"]), ("die:1", ["stopped", "died"])])
+def test_a_hung_or_dead_rank_is_reported_by_rank_and_nothing_stays_up(tmp_path, plant, states):
+    marker = f"npu_fsdp_self_test_{uuid.uuid4().hex}"
+    rc, report, proc = self_test("--only", "foreach_adamw", "--timeout", "60", "--json", cwd=tmp_path,
+                                 env={"NPU_FSDP_PATCHES_SELF_TEST_PLANT": plant, "SELF_TEST_MARKER": marker})
+    assert rc == 1, proc.stderr[-6000:]
+    assert report["timed_out"] is (plant.startswith("hang"))
+    assert [r["state"] for r in report["ranks"]] == states, report["ranks"]
+    assert report["ranks"][1]["check"] == "foreach_adamw"
+    check = by_name(report)["foreach_adamw"]    # rank 0 may have finished it before being stopped
+    assert (check["status"], check["reason"]) in (("not run", "not every rank finished it"),
+                                                  ("failed", "no result from rank(s) 1")), check
+    assert f"rank 1: {states[1]} in check foreach_adamw" in proc.stderr
+    assert _processes_with(marker) == []
+
+
+def test_the_command_imports_no_torch_until_it_runs():
+    probe = ("import sys, npu_fsdp_patches.cli, npu_fsdp_patches.selftest, npu_fsdp_patches.selftest.checks\n"
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    assert run_python(probe).stdout.strip() == "[]"
