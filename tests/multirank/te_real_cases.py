@@ -137,13 +137,16 @@ def run_config(mesh, cls, config: str) -> dict:
     return out
 
 
-def dtensor_configs(rank: int, world: int, configs: list, patched: bool = True) -> dict:
+def dtensor_configs(rank: int, world: int, configs: list) -> dict:
+    """Each config on TE's own code (every patch reverted), then with the matrix's patches."""
     from transformer_engine.pytorch.optimizers import FusedAdam
-    if not patched:
-        npu_fsdp_patches.revert()
     mesh = init_device_mesh("cpu", (world,))
     status = {r["name"]: r["state"] for r in npu_fsdp_patches.status()}
-    return {"status": status, "results": {c: run_config(mesh, FusedAdam, c) for c in configs}}
+    npu_fsdp_patches.revert()
+    unpatched = {c: run_config(mesh, FusedAdam, c) for c in configs}
+    npu_fsdp_patches.apply(*[n for n, s in status.items() if s == "applied"])
+    patched = {c: run_config(mesh, FusedAdam, c) for c in configs}
+    return {"status": status, "unpatched": unpatched, "patched": patched}
 
 
 def plain_bitwise(rank: int, world: int) -> dict:
