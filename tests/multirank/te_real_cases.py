@@ -164,8 +164,7 @@ def plain_bitwise(rank: int, world: int) -> dict:
         same = all(torch.equal(a, b) for a, b in zip(got, ref)) and all(
             torch.equal(got_sd["state"][k][n], v)
             for k in ref_sd["state"] for n, v in ref_sd["state"][k].items())
-        nudged = ref[0].clone()
-        nudged.view(-1)[0] = torch.nextafter(nudged.view(-1)[0].float(),
-                                             torch.tensor(1e9)).to(nudged.dtype)
+        nudged = ref[0].clone()  # the same values but one unit in the last place in element 0
+        nudged.view(torch.int16 if nudged.element_size() == 2 else torch.int32).view(-1)[0] += 1
         out[config] = {"bitwise": same, "control_caught": not torch.equal(got[0], nudged)}
     return out
