@@ -146,7 +146,16 @@ def dtensor_configs(rank: int, world: int, configs: list) -> dict:
     unpatched = {c: run_config(mesh, FusedAdam, c) for c in configs}
     npu_fsdp_patches.apply(*[n for n, s in status.items() if s == "applied"])
     patched = {c: run_config(mesh, FusedAdam, c) for c in configs}
-    return {"status": status, "unpatched": unpatched, "patched": patched}
+    return {"status": status, "unpatched": unpatched, "patched": patched,
+            "ulps_vs_te_plain": ulps_vs_te_plain(mesh, FusedAdam)}
+
+
+def ulps_vs_te_plain(mesh, cls) -> int:
+    """fp32 ulps between the (patched) DTensor run and TE's own plain-tensor run of the same class."""
+    dt, plain = _params(mesh, torch.float32), _params(mesh, torch.float32, dtensor=False)
+    _train(cls, dt, "fp32")
+    _train(cls, plain, "fp32")
+    return max(_ulps(full_of(a.detach()), b.detach()) for a, b in zip(dt, plain))
 
 
 def plain_bitwise(rank: int, world: int) -> dict:
