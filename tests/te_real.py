@@ -101,6 +101,9 @@ def te_site(version: str) -> Path:
         os.replace(tmp, site)
     except OSError:  # another process built it first
         shutil.rmtree(tmp, ignore_errors=True)
+    for stale in site.parent.glob(f"{version}-*"):  # built from older stand-ins
+        if stale != site:
+            shutil.rmtree(stale, ignore_errors=True)
     return site
 
 
