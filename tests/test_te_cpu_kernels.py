@@ -106,9 +106,17 @@ except RuntimeError as e:
 else:
     raise AssertionError("v2.18 launcher accepted a zero-chunk tensor")
 
-# the CUDA seam: exactly device="cuda" goes to the CPU, the rest is untouched
-assert torch.tensor([0], dtype=torch.int, device="cuda").device.type == "cpu"
+# the CUDA seam: device="cuda" goes to the CPU only for TE's optimizer modules
+seam = {"torch": torch, "__name__": "transformer_engine.pytorch.optimizers.fused_adam"}
+flag = eval('torch.tensor([0], dtype=torch.int, device="cuda")', seam)
+assert flag.device.type == "cpu" and flag.dtype == torch.int
 assert torch.tensor([1.5]).dtype == torch.float32
+try:
+    torch.tensor([1.0], device="cuda")
+except (RuntimeError, AssertionError) as e:  # no CUDA here: anyone else still fails
+    pass
+else:
+    assert torch.cuda.is_available(), "the seam leaked to a caller outside TE"
 try:
     tex.multi_tensor_sgd()
 except NotImplementedError as e:
