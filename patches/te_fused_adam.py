@@ -165,10 +165,16 @@ class TeFusedAdamDTensor(Patch):
     def upstream_handles_dtensor(self) -> bool:
         """True when the installed FusedAdam already keeps DTensor states (NVTE >= 2.14, fixed TENPU).
 
-        Both fixes shipped together with ``get_unscaled_state(..., skip_unscale=False)`` (RFC §3.3.10,
-        te_megatron_torch_facts §1.3/§1.4), which no pre-fix build has.
+        Tests the fix itself: NVTE #2795 (v2.14, a4a073bb on release_v2.14) and TENPU 5c85c0d both
+        re-wrap each local state with ``DTensor.from_local(..., shape=..., stride=...)`` of its
+        param. No pre-fix class has that call (NVTE <= 2.13 allocate plain or implicit-DTensor
+        states; pre-fix TENPU rejects DTensor). ``get_unscaled_state(..., skip_unscale)`` is not
+        evidence: it arrived one release earlier, in 2.13 (#2632), without the fix.
         """
         import importlib
         cls = importlib.import_module(_MODULE).FusedAdam
-        fn = unpatched(cls.__dict__.get("get_unscaled_state", cls.get_unscaled_state))
-        return "skip_unscale" in inspect.signature(fn).parameters
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):  # no source shipped: assume the fix is missing
+            return False
+        return "DTensor.from_local(" in source

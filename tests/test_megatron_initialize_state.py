@@ -1,4 +1,4 @@
-"""te_initialize_state_compat against the real megatron-core 0.16.1 and the NVTE 2.11 stand-in.
+"""te_initialize_state_compat: real megatron-core 0.16.1 on TE 2.11's real FusedAdam (tests/te_real.py).
 
 Megatron-Core's ``init_state_fn`` (megatron/core/optimizer/__init__.py, 0.16.1 L391-399) calls
 ``opt.initialize_state(p)`` with one argument; TE >= 2.1 requires two (te_megatron_torch_facts §3.2).
@@ -6,7 +6,7 @@ Megatron-Core's ``init_state_fn`` (megatron/core/optimizer/__init__.py, 0.16.1 L
 CPU blockers, all in megatron-core 0.16.1 itself (so the callers of init_state_fn cannot run here):
 * ``import megatron.core`` with TE importable needs a full TE build (``fp8_utils`` imports
   ``transformer_engine.pytorch.fp8``, ``.tensor.utils``, ... at module level). The test imports
-  megatron.core with the stand-in hidden, then re-executes ``megatron.core.optimizer`` unchanged
+  megatron.core with the TE site hidden, then re-executes ``megatron.core.optimizer`` unchanged
   (``importlib.reload``) with it visible, so Megatron's TE branch (``FusedAdam as Adam``) is taken.
 * Precision-aware configs must set ``use_distributed_optimizer`` (``OptimizerConfig.__post_init__``),
   and ``DistributedOptimizer`` never calls ``init_state_fn`` in 0.16.1.
@@ -24,15 +24,16 @@ import os
 
 import pytest
 
-from tests.support import install_fixture, run_python
+from tests.support import run_python
+from tests.te_real import require_te_site
 
 pytest.importorskip("megatron.core.package_info")
 
 _DRIVE = r"""
-import importlib, json, sys, warnings
+import importlib, json, os, sys, warnings
 warnings.simplefilter("ignore")
 import torch, npu_fsdp_patches
-fixture = [p for p in sys.path if p.endswith("te_nvidia_2_11")]
+fixture = [p for p in sys.path if p == os.environ["TE_SITE"]]
 saved = list(sys.path)
 sys.path[:] = [p for p in sys.path if p not in fixture]
 import megatron.core
@@ -76,9 +77,9 @@ print("RESULT" + json.dumps(result))
 
 
 def _drive(tmp_path, env):
-    site = install_fixture("te_nvidia_2_11", tmp_path)
+    site = require_te_site("2.11.0")
     env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1"),
-           **env}
+           "TE_SITE": str(site), **env}
     out = run_python(_DRIVE, paths=[site], env=env, timeout=300).stdout
     return json.loads(out.split("RESULT", 1)[1])
 

@@ -1,0 +1,50 @@
+"""Patch ``te_fused_adam_empty_scale``: fp16 moments crash on a rank that holds an empty shard.
+
+``FusedAdam._apply_scale`` computes the fp16 state scale with ``torch.aminmax(unscaled_state)``,
+which raises "cannot compute aminmax over an empty dimension" for a zero-numel local shard
+(transformer_engine/pytorch/optimizers/fused_adam.py ``_apply_scale``, unchanged from v2.14 to
+v2.20.2; reached on every step once #2795 (v2.14) hands it local shards). An empty state has
+nothing to scale: the replacement returns without touching ``scaled_state`` or ``scale`` (which
+keeps its initial 1.0) and calls TE's original for every non-empty state.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from npu_fsdp_patches.patch import Patch
+
+from .te_fused_adam import _MODULE, graft, unpatched
+
+
+def _apply_scale(original):
+    def _apply_scale(self, state_name, unscaled_state, scaled_state, scale):
+        if unscaled_state.numel() == 0:
+            return None
+        return original(self, state_name, unscaled_state, scaled_state, scale)
+    return _apply_scale
+
+
+class TeFusedAdamEmptyScale(Patch):
+    name = "te_fused_adam_empty_scale"
+
+    def replacement(self, symbol: str, original: Any) -> Any:
+        if not symbol.endswith("._apply_scale") or not callable(original):
+            raise ValueError(f"{self.name}: no replacement for {symbol}")
+        return graft(self.name, "_apply_scale", original, _apply_scale)
+
+    def upstream_scales_empty(self) -> bool:
+        """True when the installed ``_apply_scale`` accepts an empty fp16 state (the fix itself)."""
+        import importlib
+        from types import SimpleNamespace
+
+        import torch
+        cls = importlib.import_module(_MODULE).FusedAdam
+        fn = unpatched(cls.__dict__["_apply_scale"])
+        fake = SimpleNamespace(name_to_dtype_map={"exp_avg": torch.float16},
+                               dtype_to_range_map={torch.float16: torch.full([1], 32752.0)})
+        try:
+            fn(fake, "exp_avg", torch.empty(0), torch.empty(0, dtype=torch.float16),
+               torch.ones(1))
+        except RuntimeError:
+            return False
+        return True

@@ -1,0 +1,118 @@
+"""Real TransformerEngine optimizer sources from registry wheels, runnable on CPU (tests only).
+
+``te_site(version)`` returns a site folder to put on a child's PYTHONPATH. It holds:
+
+* **real**, from the pinned ``transformer-engine==<version>`` wheel (pure Python, fetched with
+  ``pip download --no-deps`` into a cache, never committed): ``transformer_engine/pytorch/
+  optimizers/*.py`` (``FusedAdam``, ``FusedSGD``, ``multi_tensor_apply``), ``transformer_engine/
+  pytorch/constants.py`` where the release has it (2.17+ imports ``DType`` from it) and the wheel's
+  ``transformer_engine-<version>.dist-info`` (so the plugin detects the real version);
+* **stand-in**, from ``tests/fixtures/te_real_shim``: the parent ``__init__`` modules (the real ones
+  load CUDA libraries) and the quantized-tensor classes ``fused_adam.py`` imports for
+  ``isinstance`` checks;
+* **stand-in**, from ``tests/fixtures/te_torch_cpu``: the CUDA extension ``transformer_engine_torch``
+  as CPU kernels written from TE's ``adam.cu`` (own tests in tests/test_te_cpu_kernels.py), told
+  which release's launcher to reproduce.
+
+The cache is ``$NPU_FSDP_PATCHES_TE_WHEELS``, else ``$XDG_CACHE_HOME/npu_fsdp_patches/te-wheels``,
+else ``~/.cache/npu_fsdp_patches/te-wheels``. ``require_te_site`` skips a test when a wheel cannot
+be fetched, unless ``NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1`` (CI), which turns that into a failure.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+_SHIMS = (FIXTURES / "te_real_shim", FIXTURES / "te_torch_cpu")
+# The releases the suite verifies: 1.13 (one-argument initialize_state), the DTensor regression
+# (2.10, 2.11), implicit DTensor states (2.12, 2.13), the DTensor fix #2795 (2.14), the last release
+# with TE#3212 (2.17), its fix 868d8d92 (2.18) and the newest (2.20).
+RELEASES = ("1.13.0", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.17.1", "2.18.0",
+            "2.20.2")
+_REAL_PREFIXES = ("transformer_engine/pytorch/optimizers/", "transformer_engine/pytorch/constants.py")
+
+
+class TeWheelUnavailable(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    if os.environ.get("NPU_FSDP_PATCHES_TE_WHEELS"):
+        return Path(os.environ["NPU_FSDP_PATCHES_TE_WHEELS"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "npu_fsdp_patches" / "te-wheels"
+
+
+def wheel(version: str) -> Path:
+    """The cached ``transformer-engine==version`` wheel, downloaded on first use."""
+    cache = cache_dir()
+    name = f"transformer_engine-{version}-py3-none-any.whl"
+    path = cache / name
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+             "--disable-pip-version-check", "-q", "-d", tmp, f"transformer-engine=={version}"],
+            capture_output=True, text=True, timeout=600)
+        got = Path(tmp) / name
+        if proc.returncode != 0 or not got.exists():
+            raise TeWheelUnavailable(f"pip download transformer-engine=={version} failed: "
+                                     f"{(proc.stderr or proc.stdout).strip()[-400:]}")
+        os.replace(got, path)
+    return path
+
+
+def _shim_digest() -> str:
+    h = hashlib.sha256()
+    for root in _SHIMS:
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def te_site(version: str) -> Path:
+    """A site folder with TE ``version``'s real optimizer sources and the CPU stand-ins."""
+    site = cache_dir() / "sites" / f"{version}-{_shim_digest()}"
+    if site.exists():
+        return site
+    whl = wheel(version)
+    site.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=site.parent))
+    for root in _SHIMS:
+        shutil.copytree(root, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    with zipfile.ZipFile(whl) as zf:
+        for member in zf.namelist():
+            if member.startswith(_REAL_PREFIXES) or member.split("/")[0].endswith(".dist-info"):
+                zf.extract(member, tmp)
+    release = tuple(int(x) for x in version.split(".")[:2])
+    (tmp / "transformer_engine_torch" / "_release.py").write_text(f"RELEASE = {release!r}\n")
+    try:
+        os.replace(tmp, site)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    for stale in site.parent.glob(f"{version}-*"):  # built from older stand-ins
+        if stale != site:
+            shutil.rmtree(stale, ignore_errors=True)
+    return site
+
+
+def require_te_site(version: str) -> Path:
+    """``te_site(version)``, or skip the calling test (fail under NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1)."""
+    import pytest
+    try:
+        return te_site(version)
+    except (TeWheelUnavailable, OSError, subprocess.TimeoutExpired) as exc:
+        if os.environ.get("NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS") == "1":
+            raise
+        pytest.skip(f"TE {version} wheel unavailable (no registry access?): {exc}")
