@@ -17,6 +17,7 @@ from .detect import detect_framework, distribution_index
 from .matrix import FrameworkSpec
 from .runtime import RUNTIME
 from .settings import PREFIX
+from .torch_support import torch_findings
 
 # The platform doctor always reports, whether or not the matrix names it (DESIGN §3.5).
 _TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
@@ -110,7 +111,8 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         "environment": environment(try_import),
         "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
         "patches": records,
-        "warnings": warnings_for(records) + import_errors,
+        "warnings": (torch_findings(RUNTIME.frameworks.get("torch"), RUNTIME.matrix)
+                     + warnings_for(records) + import_errors),
         "self_test": None,
     }
     if RUNTIME.matrix is not None:

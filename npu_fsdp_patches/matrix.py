@@ -17,7 +17,7 @@ _TOP_KEYS = {"schema_version", "frameworks", "patches"}
 _FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
 _PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts"}
-_CONDITION_KEYS = {"installed", "version", "flavor"}
+_CONDITION_KEYS = {"installed", "version", "flavor", "note"}
 _UPSTREAM_KEYS = {"fix", "issues", "notes"}
 
 
@@ -36,6 +36,7 @@ class Condition(NamedTuple):
     installed: bool = True
     version: SpecifierSet | None = None
     flavor: str | None = None
+    note: str | None = None          # what the patch does differently where this condition holds
 
 
 class FlavorRule(NamedTuple):
@@ -139,7 +140,7 @@ def _framework(r: _Reader, name: str, raw: Any, kp: str) -> FrameworkSpec:
 def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mapping) -> Condition:
     if framework not in frameworks:
         raise r.fail(kp, f"unknown framework {framework!r}; known: {', '.join(sorted(frameworks))}")
-    r.expect(raw, dict, kp, "a mapping of installed/version/flavor")
+    r.expect(raw, dict, kp, "a mapping of installed/version/flavor/note")
     r.keys(raw, _CONDITION_KEYS, kp)
     installed = raw.get("installed", True)
     if not isinstance(installed, bool):
@@ -150,7 +151,10 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
             version = SpecifierSet(str(raw["version"]))
         except InvalidSpecifier:
             raise r.fail(f"{kp}.version", f"bad PEP 440 specifier {raw['version']!r}") from None
-    return Condition(framework, installed, version, raw.get("flavor"))
+    note = raw.get("note")
+    if note is not None and not isinstance(note, str):
+        raise r.fail(f"{kp}.note", "expected a string")
+    return Condition(framework, installed, version, raw.get("flavor"), note)
 
 
 def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping) -> PatchSpec:
