@@ -10,6 +10,9 @@ import sys
 def main() -> None:
     import torch.distributed as dist
 
+    from tests.cpu_streams import add_cpu_stream_events
+    add_cpu_stream_events()   # torch 2.6 only: FSDP2 on CPU needs stream events torch 2.7 added
+
     module_name, func_name = os.environ["NPU_FSDP_RANK_TARGET"].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

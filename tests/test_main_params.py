@@ -10,7 +10,8 @@ from torch import nn
 
 from npu_fsdp_patches.optim import (Float16OptimizerWithFloat16Params, MainParamsOptimizer,
                                     apply_model_init_dtype, validate_fp32_main_params_config)
-from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, is_muon_param
+from npu_fsdp_patches.optim.muon_routing import (OptimizerChain, build_muon_adamw, is_muon_param,
+                                                 split_muon_adamw_params)
 from tests.torch_versions import HAS_MUON, needs_muon
 
 
@@ -29,13 +30,16 @@ class Net(nn.Module):
 
 
 def make(dtype=torch.bfloat16, seed=0):
-    """Muon + AdamW where torch has Muon (>= 2.9), else AdamW for every param."""
+    """Muon + AdamW by the routing rule. Without torch.optim.Muon (torch < 2.9) the Muon-routed
+    params get a momentum SGD, which keeps a ``momentum_buffer`` state as Muon does."""
     torch.manual_seed(seed)
     model = apply_model_init_dtype(Net(), dtype)
     if HAS_MUON:
         chain = build_muon_adamw(model, muon_kwargs={"lr": 0.02}, adamw_kwargs={"lr": 1e-3})
     else:
-        chain = OptimizerChain({"adamw": torch.optim.AdamW(model.parameters(), lr=1e-3)})
+        muon, adamw = split_muon_adamw_params(model.named_parameters())
+        chain = OptimizerChain({"adamw": torch.optim.AdamW(adamw, lr=1e-3),
+                                "muon": torch.optim.SGD(muon, lr=0.02, momentum=0.95)})
     return model, chain, MainParamsOptimizer(chain, model)
 
 

@@ -24,3 +24,10 @@ def adam_module_for(cls: type):
     import torch.optim.adam as adam_module
     import torch.optim.adamw as adamw_module
     return adam_module if issubclass(cls, torch.optim.Adam) else adamw_module
+
+#: torch 2.6's torch.cpu.Stream has no record_event, which FSDP2's forward calls; the rank-side
+#: cases add it test-side (tests/cpu_streams.py), the torchrun examples run the plugin unmodified
+needs_cpu_stream_events = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"FSDP2 forward on CPU needs torch.cpu.Stream.record_event (torch >= 2.7); this is torch "
+           f"{torch.__version__}; tests/multirank runs the same paths with a test-side shim")

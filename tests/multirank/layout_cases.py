@@ -18,10 +18,11 @@ import itertools
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer, foreach_adamw_step
 from npu_fsdp_patches.optim.fused_adam_state import local, wrap_like
+from tests.multirank.dtensors import distribute_same
 
 SHAPE, STEPS = (4, 5), 4
 LAYOUTS = ("natural", "gapped", "column_major")
@@ -41,7 +42,7 @@ def restride(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 def sharded(full: torch.Tensor, mesh, layout: str) -> DTensor:
     """``full`` as a Shard(1) DTensor whose local shard has ``layout``."""
-    natural = distribute_tensor(full.clone(), mesh, [Shard(1)], src_data_rank=None)
+    natural = distribute_same(full.clone(), mesh, [Shard(1)])
     if layout == "natural":
         return natural
     return DTensor.from_local(restride(natural.to_local(), layout), mesh, [Shard(1)],
@@ -129,7 +130,7 @@ def all_paths(rank: int, world: int) -> dict:
             except Exception as exc:  # collected and reported by the pytest side
                 failures.append(f"{label}: {type(exc).__name__}: {exc}"[:600])
     failures += main_params_layouts(mesh)
-    natural = distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(1)], src_data_rank=None).to_local()
+    natural = distribute_same(torch.zeros(SHAPE), mesh, [Shard(1)]).to_local()
     return {"failures": failures, "natural_local": [list(natural.shape), list(natural.stride())]}
 
 
