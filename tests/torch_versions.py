@@ -26,7 +26,7 @@ def adam_module_for(cls: type):
     return adam_module if issubclass(cls, torch.optim.Adam) else adamw_module
 
 #: torch 2.6's torch.cpu.Stream has no record_event, which FSDP2's forward calls; the rank-side
-#: cases add it test-side (tests/cpu_streams.py), the torchrun examples run the plugin unmodified
+#: cases add it test-side (tests/old_torch_cpu.py), the torchrun examples run the plugin unmodified
 needs_cpu_stream_events = pytest.mark.skipif(
     not hasattr(torch.cpu.Stream, "record_event"),
     reason=f"FSDP2 forward on CPU needs torch.cpu.Stream.record_event (torch >= 2.7); this is torch "
