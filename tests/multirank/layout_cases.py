@@ -1,12 +1,12 @@
 """Rank-side layout cases: every optim path on local shards, grads and states of any memory layout.
 
-torch's fused kernels pair the elements of param, grad and states by memory position. On torch 2.7.1
-the local shard of an uneven ``Shard(1)`` DTensor is non-contiguous (rank 1 of a (4, 5) param holds
-(4, 2) with stride (3, 1)), while states made with ``zeros_like`` are contiguous; torch 2.10/2.13 cut
-contiguous shards there. So each path runs here on a (4, 5) ``Shard(1)`` param whose local shard is
+torch's fused kernels pair the elements of param, grad and states by memory position. Issue 12 saw
+the local shard of an uneven ``Shard(1)`` DTensor non-contiguous on torch 2.7.1 (rank 1 of a (4, 5)
+param holds (4, 2) with stride (3, 1)) next to contiguous ``zeros_like`` states. So each path runs
+here on a (4, 5) ``Shard(1)`` param whose local shard is
 
 * ``natural``: what ``distribute_tensor`` cuts on this torch;
-* ``gapped``: a non-contiguous view into a wider buffer (stride (cols + 3, 1));
+* ``gapped``: a non-contiguous view into a wider buffer (stride (cols + 3, 1)), that layout;
 * ``column_major``: dense but transposed strides;
 
 with grads in each of those layouts, and (after the first step) states swapped for differently
