@@ -42,7 +42,7 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
     if cond.flavor is not None and fw.flavor != cond.flavor:
         return False, f"{_describe(fw)} is not the {cond.flavor} flavor"
     if cond.version is None:
-        return True, f"{_describe(fw)} installed"
+        return True, f"{_describe(fw)} installed" + (f": {cond.note}" if cond.note else "")
     if fw.version is None:
         return False, f"{display_name(fw)} version unknown ({fw.source})"
     try:
@@ -50,7 +50,8 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
     except InvalidVersion:
         return False, f"{display_name(fw)} version {fw.version!r} is not a PEP 440 version"
     verb = "matches" if matches else "does not match"
-    return matches, f"{_describe(fw)} {verb} {cond.version}"
+    text = f"{_describe(fw)} {verb} {cond.version}"
+    return matches, f"{text}: {cond.note}" if matches and cond.note else text
 
 
 def evaluate_gate(spec: PatchSpec, frameworks: Mapping[str, Detected]) -> tuple:
@@ -72,8 +73,14 @@ def verification(spec: PatchSpec, frameworks: Mapping[str, Detected], alternativ
     if not installed:
         return None, ()
     unverified = tuple(_describe(fw) for fw in installed
-                       if fw.version not in spec.verified.get(fw.name, ()))
+                       if public_version(fw.version) not in spec.verified.get(fw.name, ()))
     return not unverified, unverified
+
+
+def public_version(version: str | None) -> str | None:
+    """``version`` without its local label: torch's ``2.6.0+cu124`` and ``2.13.0+cpu`` are the
+    verified ``2.6.0`` and ``2.13.0`` (the label names the build, not the release)."""
+    return version.split("+", 1)[0] if version else version
 
 
 def decide(spec: PatchSpec, frameworks: Mapping[str, Detected], settings: Settings) -> Decision:

@@ -19,6 +19,7 @@ from .detect import detect_framework, distribution_index
 from .matrix import FrameworkSpec
 from .runtime import RUNTIME
 from .settings import PREFIX, strict_requested
+from .torch_support import torch_findings
 
 # The platform doctor always reports, whether or not the matrix names it (DESIGN §3.5).
 _TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
@@ -228,7 +229,8 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
         "patches": records,
         "errors": environment_errors(env) + import_failed,
-        "warnings": (warnings_for(records) + list(RUNTIME.provider_conflicts.values())
+        "warnings": (torch_findings(RUNTIME.frameworks.get("torch"), RUNTIME.matrix)
+                     + warnings_for(records) + list(RUNTIME.provider_conflicts.values())
                      + [f"{name}: {fw.note}" for name, fw in RUNTIME.frameworks.items() if fw.note]
                      + environment_warnings(env) + import_errors),
         "self_test": None,

@@ -21,7 +21,7 @@ _TOP_KEYS = {"schema_version", "frameworks", "patches"}
 _FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
 _PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts"}
-_CONDITION_KEYS = {"installed", "version", "flavor"}
+_CONDITION_KEYS = {"installed", "version", "flavor", "note"}
 _UPSTREAM_KEYS = {"fix", "issues", "notes"}
 
 
@@ -40,6 +40,7 @@ class Condition(NamedTuple):
     installed: bool = True
     version: SpecifierSet | None = None
     flavor: str | None = None
+    note: str | None = None          # what the patch does differently where this condition holds
 
 
 class FlavorRule(NamedTuple):
@@ -193,7 +194,7 @@ def _framework(r: _Reader, name: str, raw: Any, kp: str) -> FrameworkSpec:
 def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mapping) -> Condition:
     if framework not in frameworks:
         raise r.fail(kp, f"unknown framework {framework!r}; known: {', '.join(sorted(frameworks))}")
-    r.expect(raw, dict, kp, "a mapping of installed/version/flavor")
+    r.expect(raw, dict, kp, "a mapping of installed/version/flavor/note")
     r.keys(raw, _CONDITION_KEYS, kp)
     installed = raw.get("installed", True)
     if not isinstance(installed, bool):
@@ -204,7 +205,7 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
             version = SpecifierSet(text)
         except InvalidSpecifier:
             raise r.fail(f"{kp}.version", f"bad PEP 440 specifier {text!r}") from None
-    return Condition(framework, installed, version, r.string(raw, "flavor", kp))
+    return Condition(framework, installed, version, r.string(raw, "flavor", kp), r.string(raw, "note", kp))
 
 
 def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping) -> PatchSpec:

@@ -1,8 +1,11 @@
 """Patch ``hp_skip_dispatch_adamw``: torch Adam/AdamW under hyper-parallel's SkipDTensorDispatch
 computes exactly what torch FSDP2 computes (seed issue_skip_dispatch_adamw_bf16.txt; DESIGN §4.4).
 
-Target: torch's functional ``torch.optim.adam:adam``, which ``Adam.step`` and ``AdamW.step`` look up
-as a module global on every step. Wrapping it (instead of ``Adam.step``, which torch itself rewraps
+Targets: torch's functional ``torch.optim.adam:adam``, which ``Adam.step`` and (torch >= 2.7)
+``AdamW.step`` look up as a module global on every step, and ``torch.optim.adamw:adamw``, which
+``AdamW.step`` calls instead on torch 2.6, where ``AdamW`` is not an ``Adam`` subclass and runs its
+own ``_multi_tensor_adamw``/``_single_tensor_adamw`` (on torch >= 2.7 it is a thin functional API
+over ``adam``). Wrapping it (instead of ``Adam.step``, which torch itself rewraps
 per class for profiling) covers every caller at once: a plain ``with SkipDTensorDispatch():
 optimizer.step()``, hyper's trainer, and the veomni fork's ``wrap_optimizer``, which captured the
 bound ``step`` before the patch was applied (reference/hyper_parallel_veomni_mindspeed_facts.md §2).
@@ -47,7 +50,7 @@ class HpSkipDispatchAdamW(Patch):
     name = "hp_skip_dispatch_adamw"
 
     def replacement(self, symbol: str, original: Any) -> Any:
-        if not symbol.startswith("torch.optim.") or not symbol.endswith(":adam"):
+        if not symbol.startswith("torch.optim.") or not symbol.endswith((":adam", ":adamw")):
             raise ValueError(f"{self.name} has no replacement for {symbol}")
         return routed_adam(original)
 
@@ -75,7 +78,7 @@ class HpSkipDispatchAdamW(Patch):
 
 
 def routed_adam(original):
-    """Wrap torch's functional ``adam`` so hyper-DTensor steps under SkipDTensorDispatch go local."""
+    """Wrap torch's functional ``adam`` (or torch 2.6's ``adamw``) so hyper-DTensor steps under SkipDTensorDispatch go local."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)

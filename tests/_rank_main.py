@@ -10,11 +10,15 @@ import sys
 def main() -> None:
     import torch.distributed as dist
 
+    from tests.old_torch_cpu import add_cpu_stream_events, fix_gloo_reduce_scatter_avg
+    add_cpu_stream_events()   # torch 2.6 only: FSDP2 on CPU needs stream events torch 2.7 added
+
     module_name, func_name = os.environ["NPU_FSDP_RANK_TARGET"].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    fix_gloo_reduce_scatter_avg()   # older torch: gloo sums for AVG (see tests/old_torch_cpu.py)
     try:
         result = func(rank, world, **json.loads(os.environ["NPU_FSDP_RANK_ARGS"]))
         dist.barrier()

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.torch_versions import needs_cpu_stream_events
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@needs_cpu_stream_events
 def test_fsdp2_fused_adam_example_trains_saves_and_resumes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [env.get("PYTHONPATH", "")])

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from tests.support import install_fixture, run_python
+from tests.torch_versions import ADAMW_IS_ADAM
 
 CHILD = r'''
 import json, sys
@@ -29,12 +30,18 @@ else:
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 tmesh, hmesh = init_device_mesh("cpu", (1,)), hp.init_device_mesh("cpu", (1,))
+import torch.optim.adamw as AW
 calls = []
-for _name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam"):
-    def _spy(*a, _f=getattr(A, _name), _n=_name, **k):
-        calls.append((_n, sorted({type(p).__name__ for p in a[0]})))
-        return _f(*a, **k)
-    setattr(A, _name, _spy)
+for _mod in (A, AW):   # torch 2.6: AdamW runs its own *_adamw kernels, recorded under the Adam name
+    for _name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam"):
+        _own = _name + ("" if _mod is A else "w")
+        _f = getattr(_mod, _own, None)
+        if _f is None or _f.__module__ != _mod.__name__:
+            continue
+        def _spy(*a, _f=_f, _n=_name, **k):
+            calls.append((_n, sorted({type(p).__name__ for p in a[0]})))
+            return _f(*a, **k)
+        setattr(_mod, _own, _spy)
 ACCEL = O._get_foreach_kernels_supported_devices
 def accelerator(on):
     O._get_foreach_kernels_supported_devices = (lambda: ["cpu"] + ACCEL()) if on else ACCEL
@@ -89,7 +96,10 @@ def run(kind, steps=8, skip=True, cls=torch.optim.AdamW, **kw):
 def record():
     return {r["name"]: r for r in npu_fsdp_patches.status()}["hp_skip_dispatch_adamw"]
 
-R = {"record": record(), "patched": hasattr(A.adam, "__npu_fsdp_patch__")}
+def patched():
+    return hasattr(A.adam, "__npu_fsdp_patch__") and hasattr(AW.adamw, "__npu_fsdp_patch__")
+
+R = {"record": record(), "patched": patched()}
 __BODY__
 print("RESULT " + json.dumps(R, default=str))
 '''
@@ -109,7 +119,7 @@ accelerator(True)
 ref, _, _ = run("torch", skip=False)
 npu_fsdp_patches.revert("hp_skip_dispatch_adamw")
 stock, stock_impl, stock_types = run("hyper")
-R["reverted"] = {"patched": hasattr(A.adam, "__npu_fsdp_patch__"), "impl": stock_impl, "types": stock_types}
+R["reverted"] = {"patched": hasattr(A.adam, "__npu_fsdp_patch__") or hasattr(AW.adamw, "__npu_fsdp_patch__"), "impl": stock_impl, "types": stock_types}
 npu_fsdp_patches.apply("hp_skip_dispatch_adamw")
 O._foreach_supported_types.append(hp.DTensor)      # torch would now pick foreach for hyper on its own
 registered, reg_impl, reg_types = run("hyper")
@@ -150,7 +160,7 @@ sgd_param = hp.DTensor.from_local(torch.ones(3, requires_grad=True), hmesh, (Sha
 adamw = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)
 multi = MultiOptimizer({"adamw": adamw, "sgd": torch.optim.SGD([sgd_param], lr=0.5)})
 wrap_optimizer(multi)                       # captures the bound steps before the patch is applied
-R["before_apply_patched"] = hasattr(A.adam, "__npu_fsdp_patch__")
+R["before_apply_patched"] = hasattr(A.adam, "__npu_fsdp_patch__") or hasattr(AW.adamw, "__npu_fsdp_patch__")
 npu_fsdp_patches.apply("hp_skip_dispatch_adamw")
 del calls[:]
 for step in range(8):
@@ -180,10 +190,14 @@ def test_enabled_by_gate_and_applied_at_torch_import(generation):
     _, r = generation
     assert r["patched"]
     assert r["record"]["decision"] == "enabled" and r["record"]["state"] == "applied", r["record"]
-    assert r["record"]["targets"] == ["torch.optim.adam:adam", "torch.optim.adamw:adam?",
-                                      "torch.optim._functional:adam?"]
-    assert r["record"]["applied_targets"] == ["torch.optim.adam:adam", "torch.optim.adamw:adam",
-                                              "torch.optim._functional:adam"]
+    assert r["record"]["targets"] == ["torch.optim.adam:adam", "torch.optim.adamw:adamw",
+                                      "torch.optim.adamw:adam?", "torch.optim._functional:adam?",
+                                      "torch.optim._functional:adamw?"]
+    # torch 2.6's torch.optim.adamw has its own kernels and no `adam` copy
+    copies = ["torch.optim.adamw:adam"] if ADAMW_IS_ADAM else []
+    assert sorted(r["record"]["applied_targets"]) == sorted(
+        ["torch.optim.adam:adam", "torch.optim.adamw:adamw", "torch.optim._functional:adam",
+         "torch.optim._functional:adamw"] + copies)
 
 
 @pytest.mark.parametrize("device", ["accel", "cpu"])

@@ -1,6 +1,7 @@
 """Single-process unit tests of MainParamsOptimizer, its state dict, the config/dtype helpers and
 the Muon + AdamW routing (DESIGN §4.3). Multi-rank FSDP2/DCP cases: test_main_params_acceptance.py.
 """
+import re
 import warnings
 
 import pytest
@@ -9,7 +10,9 @@ from torch import nn
 
 from npu_fsdp_patches.optim import (Float16OptimizerWithFloat16Params, MainParamsOptimizer,
                                     apply_model_init_dtype, validate_fp32_main_params_config)
-from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, is_muon_param
+from npu_fsdp_patches.optim.muon_routing import (OptimizerChain, build_muon_adamw, is_muon_param,
+                                                 split_muon_adamw_params)
+from tests.torch_versions import HAS_MUON, needs_muon
 
 
 class Net(nn.Module):
@@ -27,9 +30,16 @@ class Net(nn.Module):
 
 
 def make(dtype=torch.bfloat16, seed=0):
+    """Muon + AdamW by the routing rule. Without torch.optim.Muon (torch < 2.9) the Muon-routed
+    params get a momentum SGD, which keeps a ``momentum_buffer`` state as Muon does."""
     torch.manual_seed(seed)
     model = apply_model_init_dtype(Net(), dtype)
-    chain = build_muon_adamw(model, muon_kwargs={"lr": 0.02}, adamw_kwargs={"lr": 1e-3})
+    if HAS_MUON:
+        chain = build_muon_adamw(model, muon_kwargs={"lr": 0.02}, adamw_kwargs={"lr": 1e-3})
+    else:
+        muon, adamw = split_muon_adamw_params(model.named_parameters())
+        chain = OptimizerChain({"adamw": torch.optim.AdamW(adamw, lr=1e-3),
+                                "muon": torch.optim.SGD(muon, lr=0.02, momentum=0.95)})
     return model, chain, MainParamsOptimizer(chain, model)
 
 
@@ -38,13 +48,31 @@ def backward(model, seed=0):
     model(ids).float().pow(2).mean().backward()
 
 
-def test_alias_groups_and_routing():
-    assert Float16OptimizerWithFloat16Params is MainParamsOptimizer
+@needs_muon
+def test_muon_routing():
     model, chain, opt = make()
     assert set(chain.optimizers_dict) == {"adamw", "muon"}
     assert [opt.fqn(p) for p in chain.optimizers_dict["muon"].param_groups[0]["params"]] == ["body.weight"]
     assert not is_muon_param("lm_head.weight", model.lm_head.weight)
     assert not is_muon_param("embed.weight", model.embed.weight)
+
+
+def test_build_muon_adamw_needs_torch_muon():
+    """torch >= 2.9 builds torch.optim.Muon; older torch raises naming its version."""
+    model = Net()
+    if HAS_MUON:
+        assert type(build_muon_adamw(model).optimizers_dict["muon"]) is torch.optim.Muon
+    else:
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"torch.optim.Muon needs torch >= 2.9 (this is torch {torch.__version__})")):
+            build_muon_adamw(model)
+    only_adamw = nn.ModuleDict({"embed": nn.Embedding(3, 2), "lm_head": nn.Linear(2, 3)})
+    assert set(build_muon_adamw(only_adamw).optimizers_dict) == {"adamw"}   # no Muon needed
+
+
+def test_alias_and_main_params():
+    assert Float16OptimizerWithFloat16Params is MainParamsOptimizer
+    model, chain, opt = make()
     for name, p in model.named_parameters():
         assert p.main_param is not p and p.main_param.dtype == torch.float32
         assert isinstance(p.main_param, nn.Parameter)
@@ -227,7 +255,7 @@ def test_mismatched_groups_raise_before_loading():
         opt.load_state_dict(sd)
 
 
-class CachingMuon(torch.optim.Muon):
+class CachingMuon(getattr(torch.optim, "Muon", torch.optim.SGD)):   # torch < 2.9: a Muon-named SGD
     """A Muon that caches param identity at construction (like older hyper-parallel Muon)."""
 
     def __init__(self, params, **kw):

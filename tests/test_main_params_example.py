@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 from tests.support import REPO_ROOT
+from tests.torch_versions import needs_muon
 
 
+@needs_muon   # the example trains Muon + AdamW; the AdamW-only path runs in the acceptance test
 def test_example_trains_saves_and_resumes(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]))

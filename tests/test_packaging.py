@@ -16,7 +16,7 @@ DEPS = ["wrapt", "packaging", "PyYAML", "importlib-metadata"]
 
 def _copy_sources(dest):
     """Copy the tracked-looking sources (no venvs, caches or build output) preserving symlinks."""
-    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", "dist",
+    ignore = shutil.ignore_patterns(".git", ".venv", "venvs", "__pycache__", "*.egg-info", "build", "dist",
                                     ".pytest_cache", "fixtures", "benchmarks", "examples")
     shutil.copytree(REPO_ROOT, dest, symlinks=True, ignore=ignore)
 

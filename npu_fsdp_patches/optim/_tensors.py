@@ -46,3 +46,30 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     if is_foreign_dtensor(t):
         return t.to_local()
     return t
+
+
+def contiguous_operands(lists: list, read_only: tuple = ()) -> tuple:
+    """``lists`` with every non-contiguous tensor replaced by a contiguous copy, and the
+    ``(original, copy)`` pairs to copy back after an in-place kernel (lists in ``read_only``
+    are inputs only and get no pair).
+
+    Why: torch's fused Adam kernels walk each tensor's memory from its data pointer and pair the
+    elements of param, grad and states by memory position, so they compute wrong updates when the
+    operands' layouts differ or leave gaps (the (4, 2) stride (3, 1) local shard of an uneven
+    ``Shard(1)`` DTensor on torch 2.7.1, next to contiguous ``zeros_like`` states).
+    """
+    out = [list(tensors) for tensors in lists]
+    pairs = []
+    for k, tensors in enumerate(out):
+        for i, t in enumerate(tensors):
+            if not t.is_contiguous():
+                tensors[i] = t.contiguous()
+                if k not in read_only:
+                    pairs.append((t, tensors[i]))
+    return out, pairs
+
+
+def copy_back(pairs: list) -> None:
+    """Write the updated contiguous copies of :func:`contiguous_operands` into the originals."""
+    for original, updated in pairs:
+        original.copy_(updated)

@@ -9,7 +9,8 @@ accelerator runs ``_multi_tensor_adam``, because torch registers its own DTensor
 scalar list on the bf16 shards, never fp32 math followed by ``.to(bf16)``.
 
 So this module never re-implements the update. It calls torch's functional ``torch.optim.adam.adam``
-on plain local tensors (``to_local()`` for either DTensor flavour) with the implementation chosen
+(for ``AdamW`` on torch < 2.7, where ``AdamW`` is not an ``Adam`` subclass, its own functional
+``torch.optim.adamw.adamw``, as ``AdamW.step`` does there) on plain local tensors (``to_local()`` for either DTensor flavour) with the implementation chosen
 explicitly, which follows the installed torch version op for op. The optimizer state keeps torch's own
 format (``step`` tensor, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so ``state_dict()`` and
 later plain ``step()`` calls are unaffected.
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import inspect
+
 import torch
 from torch import Tensor
 from torch.optim import adam as torch_adam
+from torch.optim import adamw as torch_adamw
 from torch.optim.optimizer import (
     _default_to_fused_or_foreach,
     _device_dtype_check_for_fused,
@@ -28,7 +32,7 @@ from torch.optim.optimizer import (
     _get_value,
 )
 
-from ._tensors import is_foreign_dtensor, local_tensor
+from ._tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor
 
 __all__ = ["foreach_adamw_step", "adam_on_local_shards", "torch_dtensor_implementation"]
 
@@ -37,6 +41,9 @@ _NOT_REPRODUCIBLE = {
     "capturable": "the capturable branch of _multi_tensor_adam is a different op sequence",
     "differentiable": "torch's foreach kernels do not support autograd",
 }
+
+#: torch >= 2.7 folds AdamW into ``adam(decoupled_weight_decay=...)``; torch 2.6 has no such argument
+_ADAM_HAS_DECOUPLED_WEIGHT_DECAY = "decoupled_weight_decay" in inspect.signature(torch_adam.adam).parameters
 
 
 def foreach_adamw_step(optimizer: torch.optim.Optimizer,
@@ -50,8 +57,9 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
     with ``fused=True`` keeps torch's fused kernel on the local shards. ``capturable`` and
     ``differentiable`` groups raise ``ValueError`` naming the option. Returns the closure's loss.
     """
-    if not isinstance(optimizer, torch.optim.Adam):
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"foreach_adamw_step needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
+    functional, weight_decay_kwargs = _functional_adam(optimizer)
     for index, group in enumerate(optimizer.param_groups):
         for option, why in _NOT_REPRODUCIBLE.items():
             if group.get(option, False):
@@ -67,16 +75,30 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
             beta1, beta2 = group["betas"]
             fused = bool(group.get("fused"))
             adam_on_local_shards(
-                torch_adam.adam, *lists,
+                functional, *lists,
                 foreach=not fused, fused=fused, capturable=False, differentiable=False,
                 grad_scale=getattr(optimizer, "grad_scale", None) if fused else None,
                 found_inf=getattr(optimizer, "found_inf", None) if fused else None,
-                has_complex=has_complex,
-                decoupled_weight_decay=group.get("decoupled_weight_decay",
-                                                 isinstance(optimizer, torch.optim.AdamW)),
+                has_complex=has_complex, **weight_decay_kwargs(group),
                 amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
     return loss
+
+
+def _functional_adam(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., None], Callable[[dict], dict]]:
+    """The functional ``optimizer.step`` calls on this torch, and the weight-decay kwargs per group.
+
+    torch >= 2.7: ``AdamW`` subclasses ``Adam`` and both call ``torch.optim.adam.adam`` with
+    ``decoupled_weight_decay``. torch 2.6: ``AdamW`` calls its own ``torch.optim.adamw.adamw``
+    (``_multi_tensor_adamw``), and ``adam`` has no ``decoupled_weight_decay`` argument.
+    """
+    if isinstance(optimizer, torch.optim.Adam):
+        if not _ADAM_HAS_DECOUPLED_WEIGHT_DECAY:
+            return torch_adam.adam, lambda group: {}
+        default = isinstance(optimizer, torch.optim.AdamW)
+        return torch_adam.adam, lambda group: {
+            "decoupled_weight_decay": group.get("decoupled_weight_decay", default)}
+    return torch_adamw.adamw, lambda group: {}
 
 
 def adam_on_local_shards(adam_fn: Callable[..., None], params: list, grads: list, exp_avgs: list,
@@ -89,6 +111,7 @@ def adam_on_local_shards(adam_fn: Callable[..., None], params: list, grads: list
     DTensor params on the shards' device (:func:`torch_dtensor_implementation`), so a DTensor type
     missing from torch's foreach-supported types no longer changes the kernel path. On the foreach path
     a tensor lr/beta is passed as its Python value (torch's foreach path rejects tensors there).
+    The fused kernel gets contiguous operands (copied back after), whatever the shards' layout.
     """
     local_params = [local_tensor(p) for p in params]
     implementation = torch_dtensor_implementation(
@@ -98,10 +121,14 @@ def adam_on_local_shards(adam_fn: Callable[..., None], params: list, grads: list
         for name in ("lr", "beta1", "beta2"):
             if isinstance(kwargs.get(name), Tensor):
                 kwargs[name] = _get_value(kwargs[name])
-    adam_fn(local_params, [local_tensor(g) for g in grads], [local_tensor(t) for t in exp_avgs],
-            [local_tensor(t) for t in exp_avg_sqs], [local_tensor(t) for t in max_exp_avg_sqs],
-            list(state_steps), foreach=implementation == "foreach", fused=implementation == "fused",
-            **kwargs)
+    lists = [local_params] + [[local_tensor(t) for t in ts]
+                              for ts in (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)]
+    write_back = []
+    if implementation == "fused":   # torch's fused kernels pair elements by memory position
+        lists, write_back = contiguous_operands(lists, read_only=(1,))
+    adam_fn(*lists, list(state_steps), foreach=implementation == "foreach",
+            fused=implementation == "fused", **kwargs)
+    copy_back(write_back)
 
 
 def torch_dtensor_implementation(local_params: list, *, foreach: Optional[bool], fused: Optional[bool],

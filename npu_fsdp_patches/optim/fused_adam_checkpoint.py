@@ -38,6 +38,15 @@ def export_state(opt, packed: dict) -> dict:
     return packed
 
 
+def _local_piece(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the full tensor ``full`` for DTensor ``param``, cut locally with no
+    collective (torch 2.6's ``distribute_tensor`` has no ``src_data_rank`` and would broadcast)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    return full[tuple(slice(start, start + size) for start, size in zip(offset, shape))].clone()
+
+
 def _saved_to_local(opt, param, name: str, value: torch.Tensor) -> torch.Tensor:
     """One saved state as a tensor shaped like ``param``'s local shard, on its device."""
     loc = local(param)
@@ -51,9 +60,7 @@ def _saved_to_local(opt, param, name: str, value: torch.Tensor) -> torch.Tensor:
                 value = value.redistribute(param.device_mesh, param.placements)
             value = value._local_tensor
         elif value.shape == param.shape:
-            from torch.distributed.tensor import distribute_tensor
-            value = distribute_tensor(value.to(loc.device), param.device_mesh, param.placements,
-                                      src_data_rank=None)._local_tensor
+            value = _local_piece(value.to(loc.device), param)
         elif value.shape != loc.shape:
             raise RuntimeError(f"FusedAdam.load_state_dict: saved {name} of {describe(opt, param)} "
                                f"has shape {tuple(value.shape)}; expected the global shape "

@@ -20,7 +20,8 @@ from typing import List
 
 import torch
 
-from ._tensors import PLAIN_TYPES, is_foreign_dtensor, torch_dtensor_type
+from ._tensors import (PLAIN_TYPES, contiguous_operands, copy_back, is_foreign_dtensor,
+                       torch_dtensor_type)
 from .fused_adam_state import (FLOAT_DTYPES, check_dtensor_param, check_grad, get_unscaled,
                                initialize, local, set_scaled, state_dtype)
 
@@ -59,9 +60,12 @@ def _foreach_adam(ws, gs, ms, vs, step, lr, beta1, beta2, eps, wd, bias_correcti
 
 def adamw_kernel(ws, gs, ms, vs, *, step: int, lr: float, beta1: float, beta2: float, eps: float,
                  weight_decay: float, adam_w_mode: bool, bias_correction: bool) -> None:
-    """Update fp32 lists ``ws``/``ms``/``vs`` in place from ``gs``; ``gs`` is never modified."""
+    """Update fp32 lists ``ws``/``ms``/``vs`` in place from ``gs``; ``gs`` is never modified.
+    Any memory layout works: non-contiguous operands are stepped as contiguous copies
+    (:func:`~._tensors.contiguous_operands`)."""
     if not ws:
         return
+    (ws, gs, ms, vs), write_back = contiguous_operands([ws, gs, ms, vs], read_only=(1,))
     if not adam_w_mode and weight_decay != 0:
         gs = torch._foreach_add(gs, ws, alpha=weight_decay)  # L2 on a copy of the grads
         weight_decay = 0.0
@@ -79,6 +83,7 @@ def adamw_kernel(ws, gs, ms, vs, *, step: int, lr: float, beta1: float, beta2: f
                                 weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         else:
             _foreach_adam(*sel, step, lr, beta1, beta2, eps, weight_decay, bias_correction)
+    copy_back(write_back)
 
 
 # ----------------------------------------------------------------------------- bf16 remainders

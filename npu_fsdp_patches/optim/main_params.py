@@ -64,29 +64,43 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return leaves
 
 
+#: main params and their grads are contiguous on every rank: torch's fused optimizer kernels pair
+#: param, grad and state elements by memory position, so a leaf AdamW(fused=True) needs one layout
+_CONTIGUOUS_FP32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
 def _fp32_main_param(p: torch.Tensor) -> nn.Parameter:
-    """A new fp32 Parameter with ``p``'s values and layout (local shard copied, never gathered)."""
+    """A new contiguous fp32 Parameter with ``p``'s values and DTensor layout (local shard copied,
+    never gathered)."""
     if is_foreign_dtensor(p):
         # nn.Parameter(dt) would call dt.detach(), an op hyper-parallel dispatches (and refuses
         # outside SkipDTensorDispatch). Build the leaf on the local shard instead, wrap it (the
         # wrapper takes requires_grad from it), and flag it as nn.Parameter does for subclasses.
-        local = local_tensor(p).detach().to(torch.float32, copy=True).requires_grad_(p.requires_grad)
+        local = local_tensor(p).detach().to(copy=True, **_CONTIGUOUS_FP32).requires_grad_(p.requires_grad)
         main = type(p).from_local(local, p.device_mesh, p.placements)
         main._is_param = True   # isinstance(main, nn.Parameter), see torch.nn.parameter._ParameterMeta
         return main
-    return nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad)
+    if is_torch_dtensor(p):   # copy the local shard: no DTensor dispatch, no collective
+        local = local_tensor(p).detach().to(copy=True, **_CONTIGUOUS_FP32)
+        main = type(p).from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+        return nn.Parameter(main, requires_grad=p.requires_grad)
+    return nn.Parameter(p.detach().to(copy=True, **_CONTIGUOUS_FP32), requires_grad=p.requires_grad)
 
 
 def _fp32_grad(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as fp32 with its layout kept; an fp32 grad is returned as is (no copy)."""
-    if grad.dtype == torch.float32:
+    """``grad`` as a contiguous fp32 local shard with its DTensor layout kept; a contiguous fp32
+    grad is returned as is (no copy)."""
+    local = local_tensor(grad)
+    if grad.dtype == torch.float32 and local.is_contiguous():
         return grad
+    cast = local.to(**_CONTIGUOUS_FP32)
     if is_foreign_dtensor(grad):
-        return type(grad).from_local(local_tensor(grad).float(), grad.device_mesh, grad.placements)
+        return type(grad).from_local(cast, grad.device_mesh, grad.placements)
     if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
-        return type(grad).from_local(local_tensor(grad).float(), grad.device_mesh, grad.placements,
+        return type(grad).from_local(cast, grad.device_mesh, grad.placements,
                                      run_check=False, shape=grad.shape, stride=grad.stride())
-    return grad.float()
+    return cast
 
 
 class MainParamsOptimizer(torch.optim.Optimizer):
@@ -174,11 +188,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         for leaf in self.leaf_optimizers:
             if callable(getattr(leaf, "reset_optimizer_parameters", None)):
                 leaf.reset_optimizer_parameters()
-            elif "muon" in type(leaf).__name__.lower() and type(leaf) is not torch.optim.Muon:
+            elif ("muon" in type(leaf).__name__.lower()
+                  and type(leaf) is not getattr(torch.optim, "Muon", None)):   # torch >= 2.9
                 raise TypeError(
                     f"{type(leaf).__module__}.{type(leaf).__name__} caches parameter identity and "
                     f"has no reset_optimizer_parameters(); after the swap to fp32 main params its "
-                    f"caches would still reference the low-precision params. Use torch.optim.Muon "
+                    f"caches would still reference the low-precision params. Use torch.optim.Muon (torch >= 2.9) "
                     f"or a Muon that implements reset_optimizer_parameters().")
 
     # ---- iteration helpers -----------------------------------------------------------------------

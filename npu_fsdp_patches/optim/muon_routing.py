@@ -18,7 +18,8 @@ from torch import nn
 
 ADAMW_NAME_PATTERN = re.compile(r"embed|lm_head|out_head|out_proj\.bias")
 
-__all__ = ["is_muon_param", "split_muon_adamw_params", "OptimizerChain", "build_muon_adamw"]
+__all__ = ["is_muon_param", "split_muon_adamw_params", "OptimizerChain", "build_muon_adamw",
+           "torch_muon_class"]
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
@@ -60,16 +61,27 @@ class OptimizerChain:
             opt.zero_grad(set_to_none=set_to_none)
 
 
+def torch_muon_class() -> type:
+    """``torch.optim.Muon``; a clear error on torch < 2.9, which has none (pytorch/pytorch#160213)."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is None:
+        raise RuntimeError(f"torch.optim.Muon needs torch >= 2.9 (this is torch {torch.__version__}); "
+                           f"on this torch route every param to AdamW, or use a Muon implementation "
+                           f"that provides reset_optimizer_parameters()")
+    return muon
+
+
 def build_muon_adamw(model: nn.Module, *, muon_kwargs: dict | None = None,
                      adamw_kwargs: dict | None = None) -> OptimizerChain:
     """``OptimizerChain({"adamw": AdamW, "muon": Muon})`` over ``model`` by the routing rule.
 
-    Either child is left out when no param is routed to it.
+    Either child is left out when no param is routed to it. Raises ``RuntimeError`` naming the
+    torch version when a param is routed to Muon on torch < 2.9 (no ``torch.optim.Muon``).
     """
     muon_params, adamw_params = split_muon_adamw_params(model.named_parameters())
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if adamw_params:
         optimizers["adamw"] = torch.optim.AdamW(adamw_params, **(adamw_kwargs or {}))
     if muon_params:
-        optimizers["muon"] = torch.optim.Muon(muon_params, **(muon_kwargs or {}))
+        optimizers["muon"] = torch_muon_class()(muon_params, **(muon_kwargs or {}))
     return OptimizerChain(optimizers)

@@ -12,10 +12,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from npu_fsdp_patches.optim import FusedAdam
+from tests.multirank.dtensors import distribute_same
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 LAYOUTS = ("tensor", "shard", "replicate")
@@ -27,13 +28,13 @@ def make_param(layout: str, full: torch.Tensor, mesh) -> torch.nn.Parameter:
     if layout == "tensor":
         return torch.nn.Parameter(full.clone())
     placements = [Shard(0)] if layout == "shard" else [Replicate()]
-    return torch.nn.Parameter(distribute_tensor(full.clone(), mesh, placements, src_data_rank=None))
+    return torch.nn.Parameter(distribute_same(full.clone(), mesh, placements))
 
 
 def like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """A grad/value with ``param``'s layout, cut locally from the same full tensor on every rank."""
     if isinstance(param, DTensor):
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        return distribute_same(full, param.device_mesh, param.placements)
     return full
 
 
@@ -246,14 +247,13 @@ def numerics_matrix(rank: int, world: int):
         opt = FusedAdam([p], use_decoupled_grad=True)  # decoupled_grad may have any shape
         for grad, needle in ((like(p, torch.randn(8)).redistribute(mesh, [Replicate()]),
                               "placements"),
-                             (distribute_tensor(torch.randn(10), mesh, [Shard(0)],
-                                                src_data_rank=None), "global shape"),
+                             (distribute_same(torch.randn(10), mesh, [Shard(0)]), "global shape"),
                              (torch.randn(8), "plain-tensor gradient")):
             p.decoupled_grad = grad
             with expect_error(RuntimeError, needle, "param 0 of param group 0"):
                 opt.step()
         sub = init_device_mesh("cpu", (world,), mesh_dim_names=("other",))
-        p.decoupled_grad = distribute_tensor(torch.randn(8), sub, [Shard(0)], src_data_rank=None)
+        p.decoupled_grad = distribute_same(torch.randn(8), sub, [Shard(0)])
         with expect_error(RuntimeError, "device_mesh"):
             opt.step()
         b = make_param("shard", torch.randn(8, generator=gen).bfloat16(), mesh)

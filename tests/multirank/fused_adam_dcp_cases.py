@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 from npu_fsdp_patches.optim import FusedAdam
+from tests.multirank.dtensors import distribute_same
 from tests.multirank.fused_adam_cases import LR, WD, check, full_of, like
 
 
@@ -17,8 +18,7 @@ def _dcp_model(mesh, seed: int):
     params = {}
     for name, (shape, dtype, placements) in specs.items():
         full = torch.randn(shape, generator=gen).to(dtype)
-        params[name] = torch.nn.Parameter(distribute_tensor(full, mesh, placements,
-                                                            src_data_rank=None))
+        params[name] = torch.nn.Parameter(distribute_same(full, mesh, placements))
     opt = FusedAdam(list(params.values()), lr=LR, weight_decay=WD, master_weights=True,
                     exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16,
                     use_decoupled_grad=True)

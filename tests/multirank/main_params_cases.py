@@ -21,12 +21,14 @@ from torch.distributed.tensor import DTensor
 from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, load_checkpoint,
                                     save_checkpoint, validate_fp32_main_params_config)
 from npu_fsdp_patches.optim._tensors import local_tensor
-from npu_fsdp_patches.optim.muon_routing import build_muon_adamw
+from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 8, 8
 MUON = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 MP = "_mixed_precision_optimizer"
+#: torch.optim.Muon exists from torch 2.9; older torch runs the same cases with AdamW alone
+HAS_MUON = hasattr(torch.optim, "Muon")
 
 
 class TinyLM(nn.Module):
@@ -59,7 +61,10 @@ def build(dtype, *, sharded, world=None, wrap=True):
             fully_shard(sub, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
     apply_model_init_dtype(model, dtype)
-    chain = build_muon_adamw(model, muon_kwargs=MUON, adamw_kwargs=ADAMW)
+    if HAS_MUON:
+        chain = build_muon_adamw(model, muon_kwargs=MUON, adamw_kwargs=ADAMW)
+    else:
+        chain = OptimizerChain({"adamw": torch.optim.AdamW(model.parameters(), **ADAMW)})
     return model, chain, (MainParamsOptimizer(chain, model) if wrap else None)
 
 
@@ -136,11 +141,12 @@ def case1_accuracy(rank, world, steps=3):
         storages.add(local_tensor(main).untyped_storage().data_ptr() if main.numel() else id(main))
     assert len(storages) == len(list(model.parameters())), "main params share storage"
     leaves = chain.optimizers_dict
-    for key in ("adamw", "muon"):
+    assert set(leaves) == ({"adamw", "muon"} if HAS_MUON else {"adamw"})
+    for key in leaves:
         for p in (q for g in leaves[key].param_groups for q in g["params"]):
             assert p is opt.main_param(opt.model_param(p)) and p.dtype == torch.float32, key
-    muon_names = {opt.fqn(p) for g in leaves["muon"].param_groups for p in g["params"]}
-    assert muon_names == {"proj1.weight", "proj2.weight"}, muon_names
+    muon_names = {opt.fqn(p) for g in leaves["muon"].param_groups for p in g["params"]} if HAS_MUON else set()
+    assert muon_names == ({"proj1.weight", "proj2.weight"} if HAS_MUON else set()), muon_names
 
     worst = {"loss": 0.0, "grad_norm": 0.0, "main_grad": 0.0, "param": 0.0, "main_update": 0.0}
     init = {n: full(p).float() for n, p in ref_model.named_parameters()}
@@ -151,7 +157,8 @@ def case1_accuracy(rank, world, steps=3):
         worst["loss"] = max(worst["loss"], abs(ref["loss"] - got["loss"]))
         assert abs(ref["loss"] - got["loss"]) < 1e-3 * max(1.0, abs(ref["loss"])), (ref["loss"], got["loss"])
         worst["grad_norm"] = max(worst["grad_norm"], abs(ref["grad_norm"] - got["grad_norm"]))
-        assert abs(ref["grad_norm"] - got["grad_norm"]) < 2e-2 * ref["grad_norm"]
+        assert abs(ref["grad_norm"] - got["grad_norm"]) < 2e-2 * ref["grad_norm"], \
+            f"step {step}: grad norm {got['grad_norm']} vs unsharded {ref['grad_norm']}"
         for fqn, g in ref["main_grads"].items():
             assert got["main_grads"][fqn].dtype == torch.float32
             worst["main_grad"] = max(worst["main_grad"], close(got["main_grads"][fqn], g,
@@ -168,7 +175,7 @@ def case1_accuracy(rank, world, steps=3):
             worst["main_update"] = max(worst["main_update"], err)
             assert err < limit, f"step {step} main param update {fqn}: relative error {err}"
         check_model_equals_main(model, opt)
-        for key in ("adamw", "muon"):   # both groups update, on the main params
+        for key in leaves:   # every group updates, on the main params
             changed = [bitwise_mismatches(before[opt.fqn(p)], p) > 0
                        for g in leaves[key].param_groups for p in g["params"]]
             assert all(changed), f"step {step}: {key} left some main params unchanged"

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import npu_fsdp_patches
 from npu_fsdp_patches.optim import FusedAdam as OurFusedAdam
+from tests.multirank.dtensors import distribute_same
 from tests.multirank.fused_adam_cases import check, full_of, like, ref_adam
 
 PATCH = "te_fused_adam_dtensor"
@@ -20,8 +21,8 @@ PATCH = "te_fused_adam_dtensor"
 def _params(mesh, dtype=torch.float32):
     gen = torch.Generator().manual_seed(5)
     specs = ((7, [Shard(0)]), (1, [Shard(0)]), (5, [Replicate()]))
-    return [torch.nn.Parameter(distribute_tensor(torch.randn(n, generator=gen).to(dtype), mesh, pl,
-                                                 src_data_rank=None)) for n, pl in specs]
+    return [torch.nn.Parameter(distribute_same(torch.randn(n, generator=gen).to(dtype), mesh, pl))
+            for n, pl in specs]
 
 
 def _grads(params, step, dtype):

@@ -1,0 +1,33 @@
+"""What the installed torch offers, for tests that run on every verified torch (2.6.0 ... 2.13.0).
+
+A test that needs a feature some torch lacks is skipped with a reason naming the torch version; the
+product behaviour on that torch (a clear error) is tested separately, never skipped.
+"""
+import pytest
+import torch
+
+#: torch.optim.Muon exists from torch 2.9 (pytorch/pytorch#160213)
+HAS_MUON = hasattr(torch.optim, "Muon")
+#: torch >= 2.7: AdamW subclasses Adam and both step through torch.optim.adam.adam;
+#: torch 2.6: AdamW steps through its own torch.optim.adamw.adamw (_multi_tensor_adamw, ...)
+ADAMW_IS_ADAM = issubclass(torch.optim.AdamW, torch.optim.Adam)
+
+needs_muon = pytest.mark.skipif(
+    not HAS_MUON, reason=f"torch.optim.Muon needs torch >= 2.9; this is torch {torch.__version__}")
+needs_adam_decoupled_weight_decay = pytest.mark.skipif(
+    not ADAMW_IS_ADAM,
+    reason=f"Adam(decoupled_weight_decay=...) needs torch >= 2.7; this is torch {torch.__version__}")
+
+
+def adam_module_for(cls: type):
+    """The module whose functional (adam/adamw) and _single/_multi_tensor/_fused kernels ``cls.step`` calls."""
+    import torch.optim.adam as adam_module
+    import torch.optim.adamw as adamw_module
+    return adam_module if issubclass(cls, torch.optim.Adam) else adamw_module
+
+#: torch 2.6's torch.cpu.Stream has no record_event, which FSDP2's forward calls; the rank-side
+#: cases add it test-side (tests/old_torch_cpu.py), the torchrun examples run the plugin unmodified
+needs_cpu_stream_events = pytest.mark.skipif(
+    not hasattr(torch.cpu.Stream, "record_event"),
+    reason=f"FSDP2 forward on CPU needs torch.cpu.Stream.record_event (torch >= 2.7); this is torch "
+           f"{torch.__version__}; tests/multirank runs the same paths with a test-side shim")
