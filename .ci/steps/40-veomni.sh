@@ -5,7 +5,8 @@
 # veomni's import), plus the two of its deps veomni's import needs (tokenizers, typer); the registry's
 # torchvision (pulled in by timm) is removed because it breaks CPU torch.
 # NPU_FSDP_PATCHES_REQUIRE_VEOMNI=1 turns the tests' "veomni missing" skip into a failure.
-# Measured on 2 shared cores: cold venv + install MEASURE_INSTALL s, tests MEASURE_TESTS s.
+# Measured here (2 cores shared with 4 other jobs, load average ~12): cold venv + install 1274 s,
+# tests 193 s for the two train-and-resume tests (the checkpointer test adds ~95 s).
 set -uo pipefail
 venv=.ci/venvs/veomni
 constraints=.ci/steps/40-veomni.constraints.txt

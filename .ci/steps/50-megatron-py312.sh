@@ -8,7 +8,7 @@
 # NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 and NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1 turn the tests'
 # skips into failures.
 # Measured here (2 cores shared with 4 other jobs, load average ~12): cold venv + install 1122 s
-# (torch 2.13.0+cu130 download dominates), tests 373 s (4 tests, 8 rank processes).
+# (includes the ~5 GB torch wheel), tests 373 s (4 tests, 8 rank processes).
 set -uo pipefail
 venv=.ci/venvs/megatron-py312
 root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")

@@ -26,3 +26,14 @@ def test_veomni_optimizer_trains_and_resumes_exactly(tmp_path, optimizer_type, l
         assert result["control_mismatches"] == 1          # the comparison sees one ulp
     assert [r["local_embed_rows"] for r in results] == [6, 5]
     assert [r["local_gain_numel"] for r in results] == [1, 0]
+
+
+def test_veomni_distributed_checkpointer_cannot_map_main_params(tmp_path):
+    """Pins the README's limit: veomni's checkpointer goes through torch's get_optimizer_state_dict,
+    which maps optimizer params to model params by identity; fp32 main params are not model params."""
+    require_veomni()
+    results = run_ranks("tests.multirank.veomni_cases:distributed_checkpointer", world_size=2,
+                        args={"root": str(tmp_path)}, timeout=600)
+    for result in results:
+        assert result["error"] is not None and result["error"].startswith("KeyError"), result["error"]
+        assert any(result["error"] == f"KeyError: '{fqn}'" for fqn in result["fqns"]), result["error"]

@@ -111,3 +111,17 @@ def train_and_resume(rank: int, world: int, optimizer_type: str, root: str) -> d
             "fp32_tail_elements": tails,
             "local_embed_rows": int(opt.main_param(model.embed_tokens.weight).to_local().shape[0]),
             "local_gain_numel": int(opt.main_param(model.gain).to_local().numel())}
+
+
+def distributed_checkpointer(rank: int, world: int, root: str) -> dict:
+    """What veomni's own DistributedCheckpointer does with the wrapper (the README's documented limit)."""
+    from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer
+    from veomni.distributed.parallel_state import init_parallel_state
+    init_parallel_state(dp_size=world, dp_shard_size=world, dp_mode="fsdp2", device_type="cpu")
+    model, opt = build("adamw", world)
+    train(model, opt, range(1), rank, world)
+    try:
+        DistributedCheckpointer.save(f"{root}/veomni_dcp", {"model": model, "optimizer": opt})
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "fqns": [n for n, _ in model.named_parameters()]}
+    return {"error": None}
