@@ -23,13 +23,15 @@ low-precision params only. See :mod:`.main_params_checkpoint` for DCP save/load.
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from ._leaf_views import LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_params_state import leaf_state_dict_by_fqn, load_leaf_state_dicts
+from ._param_identity import stale_param_references
+from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
 from ._tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
 
 MP_KEY = "_mixed_precision_optimizer"
@@ -111,21 +113,22 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             ``chained_optimizers``/``optimizers_dict``.
         model: the module owning the params; gives every param its FQN (state-dict keys).
 
-    ``param_groups``, ``state`` and ``defaults`` read through to the leaf optimizers, so LR
-    schedulers and grad clipping keep working (the groups now hold the main params).
+    ``param_groups``, ``state`` and ``defaults`` are views of the leaf optimizers (the groups now
+    hold the main params): writes reach the leaf that owns the param or group, and writes that
+    could not take effect (new groups, new defaults, reassigning the attributes) are refused.
+    So LR schedulers, grad clipping and ``zero_grad`` behave as on a plain optimizer, and step and
+    state-dict hooks (instance and global) fire as on a plain optimizer. :meth:`step` fires the
+    step hooks; the split Megatron calls (:meth:`prepare_grads`, :meth:`step_with_ready_grads`)
+    do not, as on Megatron's own optimizer. Global step hooks also see the leaf optimizers'
+    own steps, as with torch's ``ZeroRedundancyOptimizer``, which also steps an inner optimizer.
     """
 
     def __init__(self, optimizer: Any, model: nn.Module) -> None:
-        # torch.optim.Optimizer.__init__ is not called: params live in the leaf optimizers.
+        init_optimizer_contract(self)   # Optimizer.__init__ minus params: they live in the leaves
         self.optimizer = optimizer
         self.model = model
         self.leaf_optimizers = leaf_optimizers(optimizer)
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._state_view = LeafState(self.leaf_optimizers, self._describe_non_optimizer_param)
 
         fqn_by_id = {}
         for name, p in model.named_parameters():
@@ -173,28 +176,34 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.fp32_from_fp32_groups.append(fp32_from_fp32)
 
     def _rebuild_param_caches(self) -> None:
-        """Let optimizers that cache param identity (hyper-parallel Muon) see the main params.
+        """Let optimizers that cache param identity (older hyper-parallel Muon) see the main params.
 
         A chained optimizer with ``reset_optimizer_parameters(mapping)`` gets the
         main-param -> model-param mapping (hyper-parallel's contract); otherwise each leaf that
-        has ``reset_optimizer_parameters()`` rebuilds itself. A Muon-like leaf other than
-        ``torch.optim.Muon`` (which keys nothing but ``state`` by param) without that hook is
-        refused: its caches would still point at the bf16 params.
+        has ``reset_optimizer_parameters()`` rebuilds itself. Then every leaf's attributes other
+        than ``state``/``param_groups`` are searched for the swapped-out low-precision params (or
+        their ``id()``): a leaf still holding one is refused, since it would keep using them.
+        Optimizers that key only ``state`` by param (torch ``Muon``, veomni ``DistributedMuon``,
+        AdamW) pass whatever their name.
         """
         reset = getattr(self.optimizer, "reset_optimizer_parameters", None)
         if reset is not None and self.optimizer not in self.leaf_optimizers:
             reset({main: self._model_param_by_id[id(main)] for main in self._main_params()})
-            return
+        else:
+            for leaf in self.leaf_optimizers:
+                if callable(getattr(leaf, "reset_optimizer_parameters", None)):
+                    leaf.reset_optimizer_parameters()
+        swapped = {id(model): self.fqn(model) for model, _ in self._low_precision_pairs()}
         for leaf in self.leaf_optimizers:
-            if callable(getattr(leaf, "reset_optimizer_parameters", None)):
-                leaf.reset_optimizer_parameters()
-            elif ("muon" in type(leaf).__name__.lower()
-                  and type(leaf) is not getattr(torch.optim, "Muon", None)):   # torch >= 2.9
+            stale = stale_param_references(leaf, swapped) if swapped else []
+            if stale:
                 raise TypeError(
-                    f"{type(leaf).__module__}.{type(leaf).__name__} caches parameter identity and "
-                    f"has no reset_optimizer_parameters(); after the swap to fp32 main params its "
-                    f"caches would still reference the low-precision params. Use torch.optim.Muon (torch >= 2.9) "
-                    f"or a Muon that implements reset_optimizer_parameters().")
+                    f"{type(leaf).__module__}.{type(leaf).__name__} keeps references to "
+                    f"low-precision params outside its state and param_groups ({'; '.join(stale)}), "
+                    f"and after the swap to fp32 main params they would still point at the "
+                    f"low-precision params. Give it a reset_optimizer_parameters() that rebuilds "
+                    f"them from param_groups, or build it so that it keys only `state` by param "
+                    f"(as torch.optim.Muon does).")
 
     # ---- iteration helpers -----------------------------------------------------------------------
     def _low_precision_pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
@@ -225,15 +234,38 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     # ---- Optimizer surface ---------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        return [group for leaf in self.leaf_optimizers for group in leaf.param_groups]
+        return LeafParamGroups(self.leaf_optimizers, type(self).__name__)
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        self._refuse_assignment("param_groups")
 
     @property
-    def state(self) -> dict:
-        return {p: s for leaf in self.leaf_optimizers for p, s in leaf.state.items()}
+    def state(self) -> LeafState:
+        return self._state_view
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._refuse_assignment("state")
 
     @property
-    def defaults(self) -> dict:
-        return dict(self.leaf_optimizers[0].defaults)
+    def defaults(self) -> ReadOnlyDefaults:
+        return ReadOnlyDefaults(self.leaf_optimizers[0].defaults, type(self).__name__)
+
+    @defaults.setter
+    def defaults(self, value: Any) -> None:
+        self._refuse_assignment("defaults")
+
+    def _refuse_assignment(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__}.{name} is a view of the wrapped optimizers and "
+                             f"cannot be reassigned; change the leaf optimizers before wrapping them, "
+                             f"or use load_state_dict()")
+
+    def _describe_non_optimizer_param(self, param: Any) -> str:
+        if id(param) in self._main_param_by_id:
+            return (f"model param {self.fqn(param)!r} (its optimizer state is keyed by its fp32 "
+                    f"main param: optimizer.state[optimizer.main_param(model_param)])")
+        return f"a {type(param).__name__} that is no param of the wrapped optimizers"
 
     def __repr__(self) -> str:
         leaves = ", ".join(type(leaf).__name__ for leaf in self.leaf_optimizers)
@@ -316,6 +348,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """Leaf-optimizer state keyed by model FQN plus the fp32 main params of bf16/fp16 params."""
+        return run_state_dict_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict:
         sd = leaf_state_dict_by_fqn(self.leaf_optimizers, self.fqn)
         sd[MP_KEY] = {MAIN_PARAMS_KEY: self.main_params_by_fqn()}
         return sd
@@ -328,6 +363,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         params are rebuilt from the model params, with a warning. A partial section raises
         before anything is loaded, listing every missing FQN.
         """
+        run_load_state_dict_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         saved_main = self.check_main_params_complete(state_dict)
         load_leaf_state_dicts(self.leaf_optimizers, state_dict, self.fqn)   # validates, then loads
         if saved_main is None:
@@ -336,7 +374,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 warnings.warn(
                     "optimizer state has no _mixed_precision_optimizer.fp32_from_fp16_params: the fp32 "
                     "main params were rebuilt from the low-precision model params, so the fp32 tails "
-                    "lost at the last cast cannot be recovered", UserWarning, stacklevel=2)
+                    "lost at the last cast cannot be recovered", UserWarning, stacklevel=4)
             return
         with torch.no_grad():
             for fqn, main in self.main_params_by_fqn().items():

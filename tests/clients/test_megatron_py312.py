@@ -1,0 +1,78 @@
+"""te_initialize_state_compat on megatron-core 0.19.x (Python >= 3.12) against TE's real fused_adam.py.
+
+megatron-core 0.17-0.19 need Python 3.12, so these run in the venv .ci/steps/50-megatron-py312.sh
+builds; elsewhere they skip, unless NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 (that CI step) makes a
+missing environment a failure. TE's real optimizer source comes from the registry wheel through
+``tests/te_real.py`` (``require_te_site``, CPU kernels). Rank code: tests/multirank/megatron_py312_cases.py.
+"""
+import os
+import sys
+
+import pytest
+
+from tests.distributed import run_ranks
+
+MEGATRON_MIN = (0, 17)
+TE_VERSION = "2.20.2"      # the newest TE release; initialize_state(param, store_param_remainders)
+
+
+def _require_environment() -> str:
+    """The real-TE site path, or skip (fail under NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = version("megatron-core")
+    except PackageNotFoundError:
+        found = None
+    ok = found is not None and tuple(int(x) for x in found.split(".")[:2]) >= MEGATRON_MIN
+    reason = (f"needs megatron-core >= 0.17 on Python >= 3.12 (found {found} on "
+              f"{sys.version_info[0]}.{sys.version_info[1]}); run .ci/steps/50-megatron-py312.sh")
+    if not ok:
+        if os.environ.get("NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from tests.te_real import require_te_site
+    return str(require_te_site(TE_VERSION))
+
+
+def _run(case, site, env=None):
+    env = {"PYTHONPATH": site, **(env or {})}
+    return run_ranks(f"tests.multirank.megatron_py312_cases:{case}", world_size=2,
+                     args={"te_site": site}, env=env, timeout=600)
+
+
+def test_megatron_init_state_fn_on_real_te_fails_without_the_patch():
+    site = _require_environment()
+    for result in _run("factory_init_state_fn", site, {"NPU_FSDP_PATCHES_DISABLE": "te_initialize_state_compat"}):
+        assert result["patch"] == "disabled"
+        assert "store_param_remainders" in result["error"]
+
+
+def test_megatron_init_state_fn_on_real_te_with_the_patch():
+    site = _require_environment()
+    for result in _run("factory_init_state_fn", site):
+        assert result["patch"] == "applied" and result["python"] >= (3, 12)
+        assert tuple(int(x) for x in result["megatron"].split(".")[:2]) >= MEGATRON_MIN
+        assert result["master_weights"] and result["store_param_remainders"]
+        states = result["states"]
+        assert states["0.weight"] == {"exp_avg": "torch.float32", "exp_avg_sq": "torch.float32",
+                                      "master_param": "torch.float32"}
+        assert states["1.weight"]["master_param"] == "torch.int16"    # bf16 + fp32 master: remainders
+
+
+def test_megatron_fsdp_dtensor_main_weights_with_decoupled_grad():
+    site = _require_environment()
+    results = _run("fsdp_dtensor_main_weights", site)
+    for result in results:
+        assert result["patch"] == "applied" and "error" not in result, result.get("error")
+        assert result["built"] == {"master_weights": True, "use_decoupled_grad": True}
+        for layout in result["state_layout"].values():   # fp32 DTensor main weights: no master copy
+            assert set(layout) == {"exp_avg", "exp_avg_sq"}
+            assert all(kind == "DTensor" and dtype == "torch.float32" for kind, _, _, dtype in layout.values())
+        assert result["max_diff"] < 1e-6
+    assert [r["local_rows"] for r in results] == [[4, 3, 1], [3, 2, 0]]
+
+
+def test_megatron_fsdp_dtensor_case_fails_without_the_patch():
+    site = _require_environment()
+    for result in _run("fsdp_dtensor_main_weights", site, {"NPU_FSDP_PATCHES_DISABLE": "te_initialize_state_compat"}):
+        assert "store_param_remainders" in result["error"]
