@@ -3,7 +3,7 @@
 A top-level module (see pyproject), because an entry point
 inside ``npu_fsdp_patches`` would make ``ep.load()`` run the package ``__init__`` (activation) before
 this guard exists, and torch turns any exception there into a failed ``import torch``
-(reference/plugin_anchors.md §4). So activation errors, strict mode included, are logged here and
+(docs/design.md#72-torch-backend-autoload). So activation errors, strict mode included, are logged here and
 never raised; activation is re-entrant and runs once per process. torch's own kill switch is
 TORCH_DEVICE_BACKEND_AUTOLOAD=0; ours is NPU_FSDP_PATCHES=0.
 """

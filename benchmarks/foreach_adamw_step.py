@@ -1,4 +1,4 @@
-"""Step time of ``foreach_adamw_step`` vs ``torch.optim.AdamW(foreach=True)`` (DESIGN §6).
+"""Step time of ``foreach_adamw_step`` vs ``torch.optim.AdamW(foreach=True)`` (docs/design.md#6-performance-targets).
 
     python benchmarks/foreach_adamw_step.py [--json] [--repeats N] [--dtype bf16|fp32]
 

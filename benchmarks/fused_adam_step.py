@@ -1,4 +1,5 @@
-"""FusedAdam step time on DTensor shards vs torch AdamW(fused=True) (DESIGN §6), 2 gloo ranks.
+"""FusedAdam step time on DTensor shards vs torch AdamW(fused=True) (docs/design.md#6-performance-targets), 2
+gloo ranks.
 
     python benchmarks/fused_adam_step.py [--json] [--repeats N]
 
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
         print(f"{label:<9} {r['ours_dtensor'] * 1e3:>11.2f}ms {r['torch_dtensor'] * 1e3:>12.2f}ms "
               f"{r['torch_local'] * 1e3:>10.2f}ms {q['ours_dtensor/torch_local']:>10.3f}x "
               f"{q['ours_dtensor/torch_dtensor']:>13.3f}x")
-    print("targets: ours/local <= 1.10x, ours/torch_dt < 1.00x (DESIGN §6)")
+    print("targets: ours/local <= 1.10x, ours/torch_dt < 1.00x (docs/design.md#6-performance-targets)")
     return 0
 
 

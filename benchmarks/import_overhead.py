@@ -1,4 +1,5 @@
-"""Import cost of ``import npu_fsdp_patches`` next to ``import torch`` (DESIGN §6: target <= 5%).
+"""Import cost of ``import npu_fsdp_patches`` next to ``import torch`` (docs/design.md#6-performance-targets:
+target <= 5%).
 
 Each sample is a fresh interpreter timing only the import statement (interpreter start-up excluded).
 torch is timed with TORCH_DEVICE_BACKEND_AUTOLOAD=0 so it does not include our own autoload.

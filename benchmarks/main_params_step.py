@@ -1,14 +1,15 @@
-"""MainParamsOptimizer step time and memory vs the leaf optimizer on fp32 params (DESIGN §6).
+"""MainParamsOptimizer step time and memory vs the leaf optimizer on fp32 params
+(docs/design.md#6-performance-targets).
 
     python benchmarks/main_params_step.py [--json] [--steps N] [--params N] [--rows N] [--cols N]
 
 Two gloo ranks; each param is a torch DTensor sharded Shard(0) over both. Per rank it times
-``torch.optim.AdamW(foreach=True)`` on fp32 params (the baseline) against MainParamsOptimizer over
-the same AdamW on bf16 params (prepare_grads + AdamW on fp32 main params + copy back), and reports
-the median step ratio (target <= 1.25) for both grad sources: bf16 ``grad`` (cast to fp32 in
-prepare_grads, what torch FSDP2 hands over) and fp32 ``main_grad`` (hyper-parallel's
-``apply_grad_on_fp32_main_grad``, the configuration RFC 001 requires: no cast). Memory is counted from storages: the bytes of the main
-params' local storages per low-precision element (target exactly 4) and per fp32 element (0).
+``torch.optim.AdamW(foreach=True)`` on fp32 params (the baseline) against MainParamsOptimizer over the same
+AdamW on bf16 params (prepare_grads + AdamW on fp32 main params + copy back), and reports the median step
+ratio (target <= 1.25) for both grad sources: bf16 ``grad`` (cast to fp32 in prepare_grads, what torch FSDP2
+hands over) and fp32 ``main_grad`` (hyper-parallel's ``apply_grad_on_fp32_main_grad``, the configuration RFC
+001 (docs/hyper_parallel.md#rfc-001-5-config) requires: no cast). Memory is counted from storages: the bytes
+of the main params' local storages per low-precision element (target exactly 4) and per fp32 element (0).
 """
 import argparse
 import json

@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node=2 examples/fsdp2_main_params_muon.py [--steps 4] [--ckpt DIR]
 
-CPU + gloo. Follows the RFC's build order: validate the config, build and shard the model, cast it
-to model_init_dtype, build Muon (2-D weights) + AdamW (embeddings, head, biases), wrap them in
-MainParamsOptimizer. It saves after half the steps, resumes into a fresh model and optimizer, and
-checks the resumed losses equal the uninterrupted run's.
+CPU + gloo. Follows RFC 001's build order (docs/hyper_parallel.md#rfc-001-6-model-dtype): validate the config,
+build and shard the model, cast it to model_init_dtype, build Muon (2-D weights) + AdamW (embeddings, head,
+biases), wrap them in MainParamsOptimizer. It saves after half the steps, resumes into a fresh model and
+optimizer, and checks the resumed losses equal the uninterrupted run's.
 """
 import argparse
 import os

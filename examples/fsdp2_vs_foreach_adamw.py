@@ -6,7 +6,7 @@ Each step a bf16 model sharded with ``fully_shard`` runs forward/backward and
 ``torch.optim.AdamW(foreach=True)`` (what torch FSDP2 runs on NPU/GPU). Its reduced local grads are
 copied onto plain tensors that hold the same local shards, which ``foreach_adamw_step`` updates. The
 script prints how many param / exp_avg / exp_avg_sq elements differ bitwise (expected: 0), and, as
-the seed's counter-example, how many differ for fp32 maths followed by ``.to(bf16)``.
+issue #700's counter-example, how many differ for fp32 maths followed by ``.to(bf16)``.
 """
 import math
 import os

@@ -1,6 +1,6 @@
 """npu_fsdp_patches: versioned, revertible fixes for optimizer bugs of NPU stacks under FSDP2/DTensor.
 
-Importing this package activates the plugin (DESIGN §3.1): it reads the NPU_FSDP_PATCHES_* env vars,
+Importing this package activates the plugin (docs/design.md#31-activation): it reads the NPU_FSDP_PATCHES_* env vars,
 detects installed frameworks from their metadata, evaluates compat_matrix.yaml and registers
 post-import hooks for the enabled patches. It imports neither torch nor any target framework.
 """

@@ -1,7 +1,7 @@
 """Find installed frameworks and their versions from distribution metadata and files, never by import.
 
 MindSpeed replaces ``importlib.metadata.version`` to claim transformer-engine 2.2.0
-(reference/hyper_parallel_veomni_mindspeed_facts.md §3.2), so versions are read from each
+(docs/hyper_parallel.md#32-version-identity), so versions are read from each
 distribution's own METADATA file (dists.py), never through that helper. Source checkouts without metadata (common for Megatron and
 MindSpeed) are found with ``importlib.util.find_spec`` on the top-level name, which imports nothing
 below it, and their version file is parsed statically.

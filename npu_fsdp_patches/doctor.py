@@ -21,7 +21,7 @@ from .runtime import RUNTIME
 from .settings import PREFIX, strict_requested
 from .torch_support import torch_findings
 
-# The platform doctor always reports, whether or not the matrix names it (DESIGN §3.5).
+# The platform doctor always reports, whether or not the matrix names it (docs/design.md#35-status-and-doctor).
 _TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
 _TORCH = FrameworkSpec("torch", ("torch",), "torch")
 

@@ -1,6 +1,6 @@
 """Post-import hooks on top of wrapt, with the error isolation wrapt does not give.
 
-wrapt calls hooks inside the user's ``import`` with no try/except (reference/plugin_anchors.md §3),
+wrapt calls hooks inside the user's ``import`` with no try/except (docs/design.md#71-wrapt-post-import-hooks),
 so an exception in a hook would fail that import. Every hook registered here swallows and logs its
 own errors; only ``PatchError``, which the runtime raises on purpose in strict mode, gets through.
 """

@@ -1,4 +1,5 @@
-"""Activation and the apply/revert lifecycle (DESIGN §3.1, §3.6): one Runtime per process.
+"""Activation and the apply/revert lifecycle (docs/design.md#31-activation, #36-failure-policy): one Runtime
+per process.
 
 Failure policy: a failing patch is logged once at WARNING and recorded as ``failed``; the other
 patches go on. In strict mode (NPU_FSDP_PATCHES_STRICT=1), or for a patch named in

@@ -1,4 +1,4 @@
-"""The one place NPU_FSDP_PATCHES_* environment variables are parsed (DESIGN §3.2)."""
+"""The one place NPU_FSDP_PATCHES_* environment variables are parsed (docs/design.md#32-environment-variables)."""
 from __future__ import annotations
 
 from typing import Mapping, NamedTuple

@@ -1,14 +1,15 @@
 """hp_fp32_main_params: ``optimizer.fp32_main_params: true`` for hyper-parallel builds without the wrapper.
 
 hyper-parallel later shipped ``Float16OptimizerWithFloat16Params``
-(``hyper_parallel.components.optim.mixed_precision_optimizer``, reference §1.5) and a trainer that
-checks the config and wraps the optimizer (§1.6). Older builds silently drop the key, so a bf16
-model keeps losing small updates. This patch routes the trainer into npu_fsdp_patches.optim:
+(``hyper_parallel.components.optim.mixed_precision_optimizer``,
+docs/hyper_parallel.md#15-upstream-fp32-wrapper) and a trainer that checks the config and wraps the optimizer
+(docs/hyper_parallel.md#16-trainer). Older builds silently drop the key, so a bf16 model keeps losing small
+updates. This patch routes the trainer into npu_fsdp_patches.optim:
 
 * ``BaseTrainer.__init__``: ``validate_fp32_main_params_config`` before any model is built;
 * ``BaseTrainer._build_optimizer``: wrap the built optimizer in ``MainParamsOptimizer``;
 * ``BaseTrainer.save_checkpoint``/``load_checkpoint`` (optional targets): DCP with the fp32 main
-  params and the RFC §9.3 load branches.
+  params and the RFC 001 load branches (docs/hyper_parallel.md#rfc-001-9-checkpoints).
 
 It stands down where the upstream wrapper module exists. torch and the optim package are imported
 inside the replacements only (the hook fires right after the trainer module is imported).

@@ -1,5 +1,6 @@
 """Patch ``hp_skip_dispatch_adamw``: torch Adam/AdamW under hyper-parallel's SkipDTensorDispatch
-computes exactly what torch FSDP2 computes (seed issue_skip_dispatch_adamw_bf16.txt; DESIGN §4.4).
+computes exactly what torch FSDP2 computes (mindspore-ai/hyper-parallel#700,
+docs/hyper_parallel.md#18-issue-700; docs/design.md#44-hp_skip_dispatch_adamw).
 
 Targets: torch's functional ``torch.optim.adam:adam``, which ``Adam.step`` and (torch >= 2.7)
 ``AdamW.step`` look up as a module global on every step, and ``torch.optim.adamw:adamw``, which
@@ -8,11 +9,11 @@ own ``_multi_tensor_adamw``/``_single_tensor_adamw`` (on torch >= 2.7 it is a th
 over ``adam``). Wrapping it (instead of ``Adam.step``, which torch itself rewraps
 per class for profiling) covers every caller at once: a plain ``with SkipDTensorDispatch():
 optimizer.step()``, hyper's trainer, and the veomni fork's ``wrap_optimizer``, which captured the
-bound ``step`` before the patch was applied (reference/hyper_parallel_veomni_mindspeed_facts.md §2).
+bound ``step`` before the patch was applied (docs/hyper_parallel.md#2-veomni).
 
 Only when hyper's dispatch is off (``get_dtensor_dispatch() is False`` in
 ``hyper_parallel.core.shard._op_dispatch``: the module global of the old generation and the ContextVar
-of the new one, §1.1) and a param is a hyper DTensor, the call is routed to
+of the new one, docs/hyper_parallel.md#11-generations) and a param is a hyper DTensor, the call is routed to
 ``npu_fsdp_patches.optim.foreach_adamw.adam_on_local_shards``: torch's own ``adam`` on the
 ``to_local()`` shards with foreach/fused resolved as torch resolves them for its own DTensor. Any
 other call, capturable/differentiable ones included, goes to the original untouched.
@@ -28,9 +29,10 @@ from typing import Any
 
 from npu_fsdp_patches.patch import Patch
 
-#: the dispatch switch lives here in both generations (§1.1, "Dispatch switch" row)
+#: the dispatch switch lives here in both generations (docs/hyper_parallel.md#11-generations, "Dispatch switch" row)
 DISPATCH_MODULE = "hyper_parallel.core.shard._op_dispatch"
-#: where each generation defines its DTensor (§1.1, "DTensor module" row) and the platform base (§1.2)
+#: where each generation defines its DTensor (docs/hyper_parallel.md#11-generations, "DTensor module" row) and
+#: the platform base (docs/hyper_parallel.md#12-dtensor-and-op-dispatch)
 DTENSOR_SOURCES = ("core/dtensor/dtensor.py", "core/dtensor.py", "platform/torch/dtensor.py")
 REGISTRY_NAME = "_foreach_supported_types"
 
@@ -58,7 +60,7 @@ class HpSkipDispatchAdamW(Patch):
         """Stand down when hyper-parallel registers its DTensor in torch's foreach-supported types
         (``torch.optim.optimizer._foreach_supported_types``, where torch registers its own DTensor).
 
-        That is the root cause named in the seed: once registered, torch picks the same implementation
+        That is the root cause named in issue #700: once registered, torch picks the same implementation
         for hyper params as for its own DTensor, and under SkipDTensorDispatch every foreach op runs on
         the local shards, so the stock step already equals torch FSDP2. Read from the loaded classes
         when hyper is imported, else from its sources (the hook fires while torch is still importing,

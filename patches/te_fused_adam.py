@@ -1,4 +1,5 @@
-"""Patch ``te_fused_adam_dtensor``: DTensor params on the installed TE(-NPU) FusedAdam (DESIGN §4.1).
+"""Patch ``te_fused_adam_dtensor``: DTensor params on the installed TE(-NPU) FusedAdam
+(docs/design.md#41-te_fused_adam_dtensor).
 
 Methods of the installed class are replaced in place, so the class object, every existing
 ``from transformer_engine.pytorch.optimizers import FusedAdam`` binding and every isinstance check

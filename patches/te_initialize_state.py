@@ -1,10 +1,10 @@
 """Patch ``te_initialize_state_compat``: one-argument ``initialize_state(param)`` on TE >= 2.1.
 
 Megatron-Core calls ``opt.initialize_state(p)`` (init_state_fn, 0.11 ... main), but TE >= 2.1 made
-``store_param_remainders`` a required positional (te_megatron_torch_facts §1.3, §3.2). The
-replacement makes the argument optional: ``None`` derives the value from the optimizer's own
-configuration (remainders only for bf16 params with fp32 master weights, TE's step rule), an explicit
-value that contradicts it raises ``ValueError``, and the original method is called with the value.
+``store_param_remainders`` a required positional (docs/te_fused_adam.md#13-method-signatures,
+#22-initialize_state-call-sites). The replacement makes the argument optional: ``None`` derives the value from
+the optimizer's own configuration (remainders only for bf16 params with fp32 master weights, TE's step rule),
+an explicit value that contradicts it raises ``ValueError``, and the original method is called with the value.
 """
 from __future__ import annotations
 

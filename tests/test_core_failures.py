@@ -1,4 +1,5 @@
-"""Failure policy (DESIGN §3.6) and env toggles (§3.2), each in a fresh interpreter."""
+"""Failure policy (docs/design.md#36-failure-policy) and env toggles
+(docs/design.md#32-environment-variables), each in a fresh interpreter."""
 from tests.core_demo import IMPORT_PLUGIN, run_demo
 
 FAILING = "demo_matrix_failing.yaml"

@@ -1,4 +1,5 @@
-"""Single-process unit tests of npu_fsdp_patches.optim.foreach_adamw (DESIGN §4.4, issue 5 item 1).
+"""Single-process unit tests of npu_fsdp_patches.optim.foreach_adamw
+(docs/design.md#44-hp_skip_dispatch_adamw, issue 5 item 1).
 
 Bit-exact against torch's own foreach Adam/AdamW on plain tensors for every hyperparameter; the
 multi-rank FSDP2 contract is in test_foreach_adamw_contract.py.

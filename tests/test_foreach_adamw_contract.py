@@ -1,4 +1,5 @@
-"""Bit-exactness contract of foreach_adamw_step vs torch FSDP2 (DESIGN §4.4; issue 5 item 3).
+"""Bit-exactness contract of foreach_adamw_step vs torch FSDP2 (docs/design.md#44-hp_skip_dispatch_adamw;
+issue 5 item 3).
 
 One 2-rank gloo launch: real ``fully_shard`` params stepped by ``torch.optim.AdamW(foreach=True)`` vs
 ``foreach_adamw_step`` on the same local shards (torch DTensor, plain and hyper-parallel stand-in

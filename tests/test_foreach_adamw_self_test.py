@@ -1,5 +1,5 @@
 """npu_fsdp_patches.optim.self_test (issue 5 item 4): schema, pass on this device, and that it fails
-with the first mismatching element when the step under test is off by the seed's rounding."""
+with the first mismatching element when the step under test is off by issue #700's rounding."""
 import json
 
 import pytest
@@ -18,7 +18,7 @@ def test_passes_on_cpu_with_documented_schema():
                               "single_tensor_mismatches", "fp32_then_round_mismatches"}
         assert entry["passed"] and entry["mismatches"] == 0 and entry["first_mismatch"] is None
     assert report["passed"]
-    # the seed's rejected fix (fp32 maths then .to(bf16)) drifts on the same data
+    # issue #700's rejected fix (fp32 maths then .to(bf16)) drifts on the same data
     assert report["dtypes"]["bfloat16"]["fp32_then_round_mismatches"] > 0
 
 

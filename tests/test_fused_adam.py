@@ -85,7 +85,7 @@ def test_foreach_fallback_and_no_bias_correction_match_the_te_kernel_math(monkey
     nobc, _ = _train(FusedAdam, p0, grads, lr=1e-2, bias_correction=False)
     p, m, v = p0.double(), torch.zeros(257, dtype=torch.float64), torch.zeros(257,
                                                                            dtype=torch.float64)
-    for g in grads:  # te_megatron_torch_facts §1.7 with bias_correction=0
+    for g in grads:  # docs/te_fused_adam.md#17-kernel-math with bias_correction=0
         m = 0.9 * m + 0.1 * g.double()
         v = 0.999 * v + 0.001 * g.double() ** 2
         p = p - 1e-2 * m / (v.sqrt() + 1e-8)

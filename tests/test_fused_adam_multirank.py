@@ -1,4 +1,5 @@
-"""FusedAdam on torch DTensor over gloo: RFC §4.2 matrix, DESIGN §4.1 rules, DCP resharding."""
+"""FusedAdam on torch DTensor over gloo: the test matrix of docs/te_fused_adam.md#rfc-42-test-matrix,
+docs/design.md#41-te_fused_adam_dtensor rules, DCP resharding."""
 import os
 
 import pytest

@@ -119,7 +119,8 @@ def test_stands_down_when_upstream_wrapper_exists(tmp_path):
 
 
 def test_patch_covers_the_older_auto_models_trainer_path(tmp_path):
-    """Builds before the trainer moved keep it at hyper_parallel/auto_models/trainer (reference §1.6)."""
+    """Builds before the trainer moved keep it at hyper_parallel/auto_models/trainer
+    (docs/hyper_parallel.md#16-trainer)."""
     site = install_fixture("hyper_parallel_new", tmp_path)
     package = Path(site) / "hyper_parallel"
     (package / "auto_models").mkdir()

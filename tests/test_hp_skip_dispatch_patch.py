@@ -1,5 +1,6 @@
 """Patch hp_skip_dispatch_adamw against the hyper-parallel stand-ins of both generations and the veomni
-fork's wrap_optimizer (DESIGN §4.4; issue 5 item 2). Each scenario runs in a fresh interpreter.
+fork's wrap_optimizer (docs/design.md#44-hp_skip_dispatch_adamw; issue 5 item 2). Each scenario runs in a
+fresh interpreter.
 
 Reference everywhere: the same torch optimizer on torch DTensors (1-rank gloo mesh) with the same
 flags, i.e. what torch FSDP2 computes. "accelerator" runs pretend cpu has default foreach kernels

@@ -1,5 +1,6 @@
 """Single-process unit tests of MainParamsOptimizer, its state dict, the config/dtype helpers and
-the Muon + AdamW routing (DESIGN §4.3). Multi-rank FSDP2/DCP cases: test_main_params_acceptance.py.
+the Muon + AdamW routing (docs/design.md#43-hp_fp32_main_params). Multi-rank FSDP2/DCP cases:
+test_main_params_acceptance.py.
 """
 import re
 import warnings

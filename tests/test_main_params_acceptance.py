@@ -1,4 +1,5 @@
-"""RFC 001 §2.1-§2.5 acceptance on 2 gloo ranks with real torch FSDP2 + DCP (DESIGN §4.3, §5).
+"""RFC 001 acceptance cases 2.1-2.5 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001) on 2 gloo ranks with
+real torch FSDP2 + DCP (docs/design.md#43-hp_fp32_main_params, #5-test-rules).
 
 One 2-rank launch runs the five cases (plus the FSDP2 dtype-cast checks); a 4-rank launch then
 loads case 2's checkpoint at the other world size. Rank code: tests/multirank/main_params_cases.py.

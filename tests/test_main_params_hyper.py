@@ -1,5 +1,5 @@
-"""MainParamsOptimizer on hyper-parallel DTensor params (DESIGN §4.3), against the stand-in
-tests/fixtures/hyper_parallel_new (reference/hyper_parallel_on_cpu_probe.md Tasks 3 and 4).
+"""MainParamsOptimizer on hyper-parallel DTensor params (docs/design.md#43-hp_fp32_main_params), against the stand-in
+tests/fixtures/hyper_parallel_new (docs/hyper_parallel.md#43-task-3-main_grad, #44-task-4-hyper-dtensor-api).
 
 One fresh interpreter, one process, mesh (1,): every model param is a hyper DTensor registered as a
 parameter; ops on it fail outside ``SkipDTensorDispatch``. The wrapper is built, fed grads and
@@ -46,7 +46,7 @@ def same(a, b):
 def hyper_param(value, placements):
     local = value.clone().requires_grad_(True)
     p = hp.DTensor.from_local(local, MESH, placements)
-    p._is_param = True        # what hyper's fully_shard params satisfy (probe Task 4)
+    p._is_param = True   # what hyper's fully_shard params satisfy (docs/hyper_parallel.md#44-task-4-hyper-dtensor-api)
     return p
 
 

@@ -1,7 +1,8 @@
 """te_initialize_state_compat: real megatron-core 0.16.1 on TE 2.11's real FusedAdam (tests/te_real.py).
 
 Megatron-Core's ``init_state_fn`` (megatron/core/optimizer/__init__.py, 0.16.1 L391-399) calls
-``opt.initialize_state(p)`` with one argument; TE >= 2.1 requires two (te_megatron_torch_facts §3.2).
+``opt.initialize_state(p)`` with one argument; TE >= 2.1 requires two
+(docs/te_fused_adam.md#22-initialize_state-call-sites).
 
 CPU blockers, all in megatron-core 0.16.1 itself (so the callers of init_state_fn cannot run here):
 * ``import megatron.core`` with TE importable needs a full TE build (``fp8_utils`` imports

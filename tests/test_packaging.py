@@ -1,4 +1,4 @@
-"""Packaging (DESIGN §2): a fresh venv, a plain checkout on PYTHONPATH, then a non-editable install."""
+"""Packaging (docs/design.md#2-layout): a fresh venv, a plain checkout on PYTHONPATH, then a non-editable install."""
 import importlib.util
 import json
 import re

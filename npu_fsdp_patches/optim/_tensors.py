@@ -2,7 +2,7 @@
 
 Two DTensor flavours exist: torch's ``torch.distributed.tensor.DTensor`` and hyper-parallel's
 DTensor, which is a ``torch.Tensor`` subclass exposing ``to_local()``/``device_mesh``/``placements``
-but is *not* a torch DTensor (reference/hyper_parallel_on_cpu_probe.md, Task 4). Neither import
+but is *not* a torch DTensor (docs/hyper_parallel.md#44-task-4-hyper-dtensor-api). Neither import
 is required here: the torch class is looked up only if ``torch.distributed.tensor`` is loaded.
 """
 from __future__ import annotations

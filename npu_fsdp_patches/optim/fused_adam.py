@@ -1,4 +1,4 @@
-"""A DTensor-aware, device-agnostic FusedAdam with the TE (NVTE >= 2.1) API (DESIGN §4.1).
+"""A DTensor-aware, device-agnostic FusedAdam with the TE (NVTE >= 2.1) API (docs/design.md#41-te_fused_adam_dtensor).
 
 Drop-in for ``transformer_engine.pytorch.optimizers.FusedAdam`` on any device with a
 ``torch._fused_adamw_`` kernel (cpu, cuda, npu), falling back to foreach ops elsewhere. DTensor params
@@ -49,7 +49,7 @@ class FusedAdam(torch.optim.Optimizer):
         store_param_remainders=False,
         set_grad_none: Optional[bool] = None,
     ):
-        # TE's constructor errors, in TE's order and wording (te_megatron_torch_facts §1.2).
+        # TE's constructor errors, in TE's order and wording (docs/te_fused_adam.md#12-constructor-errors).
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         if master_weights and master_weight_dtype not in (torch.float32, torch.float16):

@@ -1,4 +1,5 @@
-"""FusedAdam ``state_dict`` / ``load_state_dict`` with DTensor metadata (RFC §3.3.9, NVTE >= 2.14).
+"""FusedAdam ``state_dict`` / ``load_state_dict`` with DTensor metadata
+(docs/te_fused_adam.md#rfc-339-state-dict, NVTE >= 2.14).
 
 Saving exports every float state as unscaled fp32 and re-wraps it with the param's mesh, placements,
 global shape and stride, so ``torch.distributed.checkpoint`` can save it and reshard it on load. The

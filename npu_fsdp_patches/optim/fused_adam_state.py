@@ -1,18 +1,19 @@
 """FusedAdam optimizer states: layout, validation and low-precision scaling.
 
 Every function takes the optimizer ``opt`` as its first argument and reads only the attributes of the
-TE FusedAdam API (NVTE >= 2.1, reference/te_megatron_torch_facts.md §1.1): ``state``, ``_scales``,
+TE FusedAdam API (NVTE >= 2.1, docs/te_fused_adam.md#11-constructor): ``state``, ``_scales``,
 ``master_weights``, ``master_weight_dtype``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``,
 ``store_param_remainders``, ``capturable``. So the same code serves the standalone
 :class:`~npu_fsdp_patches.optim.fused_adam.FusedAdam` and an installed TE class patched by
 ``te_fused_adam_dtensor``.
 
-Layout rule (RFC §3.3.2/§3.3.3, NVTE >= 2.14): states live on the param's *local* shard and are
-stored as DTensors with the param's mesh, placements, **global** shape and stride; ``self.state`` and
-``_scales`` stay keyed by the original param object. Scaling rule (RFC §3.3.5, DESIGN §4.1): FP16
-states carry one per-tensor scale ``s = max(absmax / (finfo(fp16).max / 2), finfo(fp32).tiny)``; a zero,
-non-finite or empty state gets ``s = 1``; BF16 is stored unscaled; FP8 (uint8, plain tensors only)
-uses the same rule with the E4M3 range 448.
+Layout rule (docs/te_fused_adam.md#rfc-332-state-wrapping, #rfc-333-data-structures, NVTE >= 2.14): states
+live on the param's *local* shard and are stored as DTensors with the param's mesh, placements, **global**
+shape and stride; ``self.state`` and ``_scales`` stay keyed by the original param object. Scaling rule
+(docs/te_fused_adam.md#rfc-335-scaling, docs/design.md#41-te_fused_adam_dtensor): FP16 states carry one
+per-tensor scale ``s = max(absmax / (finfo(fp16).max / 2), finfo(fp32).tiny)``; a zero, non-finite or empty
+state gets ``s = 1``; BF16 is stored unscaled; FP8 (uint8, plain tensors only) uses the same rule with the
+E4M3 range 448.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def state_dtype(opt, name: str) -> torch.dtype:
 
 
 def uses_remainders(opt, param: torch.Tensor) -> bool:
-    """NVTE rule (§1.6): the int16 remainder replaces the fp32 master of bf16 params only."""
+    """NVTE rule (docs/te_fused_adam.md#16-param-remainders): the int16 remainder replaces the fp32 master of
+    bf16 params only."""
     return bool(opt.store_param_remainders) and param.dtype == torch.bfloat16
 
 
@@ -67,7 +69,8 @@ def describe(opt, param: torch.Tensor) -> str:
 
 
 def check_dtensor_param(opt, param: torch.Tensor) -> None:
-    """Reject what the DTensor path does not support (RFC §3.3.1), naming the param and the reason."""
+    """Reject what the DTensor path does not support (docs/te_fused_adam.md#rfc-331-supported-types), naming
+    the param and the reason."""
     if is_foreign_dtensor(param):
         raise TypeError(f"FusedAdam: {describe(opt, param)} is a non-torch DTensor "
                         f"({type(param).__name__}); only torch.distributed.tensor.DTensor is supported")
@@ -98,7 +101,8 @@ def check_dtensor_param(opt, param: torch.Tensor) -> None:
 
 
 def check_grad(opt, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Return the local grad; a DTensor param needs a DTensor grad of the same layout (RFC §3.3.4)."""
+    """Return the local grad; a DTensor param needs a DTensor grad of the same layout
+    (docs/te_fused_adam.md#rfc-334-grad-check)."""
     if grad.is_sparse:
         raise RuntimeError("FusedAdam does not support sparse gradients.")
     if not is_torch_dtensor(param):
@@ -213,7 +217,8 @@ def set_scaled(opt, param: torch.Tensor, name: str, unscaled: torch.Tensor) -> N
 
 
 def resolve_remainders(opt, param: torch.Tensor, value: Optional[bool]) -> bool:
-    """The ``store_param_remainders`` that ``initialize_state`` uses for ``param`` (DESIGN §4.2).
+    """The ``store_param_remainders`` that ``initialize_state`` uses for ``param``
+    (docs/design.md#42-te_initialize_state_compat).
 
     ``None`` derives it from the optimizer's configuration (effective only for bf16 params with fp32
     master weights); an explicit value that contradicts the configuration is a ``ValueError``.

@@ -1,4 +1,5 @@
-"""One FusedAdam step on local shards (RFC §3.3.6-§3.3.8, kernel math of te_megatron_torch_facts §1.7).
+"""One FusedAdam step on local shards (docs/te_fused_adam.md#rfc-336-update-paths to #rfc-338-empty-shards,
+kernel math of docs/te_fused_adam.md#17-kernel-math).
 
 Params are split per group into two paths:
 

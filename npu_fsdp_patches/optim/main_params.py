@@ -1,4 +1,5 @@
-"""FP32 ``main_param`` wrapper for low-precision models (DESIGN §4.3, RFC 001 §7–§9).
+"""FP32 ``main_param`` wrapper for low-precision models (docs/design.md#43-hp_fp32_main_params,
+docs/hyper_parallel.md#rfc-001-7-optimizers to #rfc-001-9-checkpoints).
 
 A bf16/fp16 model loses small updates when the optimizer writes straight into low-precision
 params. :class:`MainParamsOptimizer` gives every bf16/fp16 param its own fp32 ``main_param``,
@@ -338,7 +339,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self._copy_pairs(to_model=True)
 
     def reload_model_params(self) -> None:
-        """Refresh the fp32 main params from the model params (loses fp32 tails; RFC §8.3)."""
+        """Refresh the fp32 main params from the model params (loses fp32 tails;
+        docs/hyper_parallel.md#rfc-001-8-main_grad-and-step)."""
         self._copy_pairs(to_model=False)
 
     # ---- state dict --------------------------------------------------------------------------

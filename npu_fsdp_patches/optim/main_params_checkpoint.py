@@ -1,4 +1,4 @@
-"""DCP save/load of a model plus a :class:`MainParamsOptimizer` (RFC 001 §9).
+"""DCP save/load of a model plus a :class:`MainParamsOptimizer` (docs/hyper_parallel.md#rfc-001-9-checkpoints).
 
 Checkpoint layout (one ``torch.distributed.checkpoint`` save)::
 
@@ -6,10 +6,10 @@ Checkpoint layout (one ``torch.distributed.checkpoint`` save)::
     optimizer.state.<fqn>.<name>, optimizer.param_groups             leaf-optimizer state by FQN
     optimizer._mixed_precision_optimizer.fp32_from_fp16_params.<fqn> fp32 main params (bf16/fp16 only)
 
-``load_checkpoint`` reads the checkpoint metadata *first* and picks a branch (RFC §9.3): all
-main params present -> restore them exactly; section absent -> plain optimizer checkpoint, main
-params rebuilt from the model with a warning; some missing -> raise before anything is written.
-DTensor entries are resharded by DCP, so a checkpoint loads at another world size.
+``load_checkpoint`` reads the checkpoint metadata *first* and picks a branch
+(docs/hyper_parallel.md#rfc-001-9-checkpoints): all main params present -> restore them exactly; section
+absent -> plain optimizer checkpoint, main params rebuilt from the model with a warning; some missing -> raise
+before anything is written. DTensor entries are resharded by DCP, so a checkpoint loads at another world size.
 
 Only plain tensors and torch DTensors: DCP does not know hyper-parallel DTensors (their ops fail
 outside ``SkipDTensorDispatch``; inside it DCP sees only local shards and would save each as the
@@ -73,7 +73,7 @@ def _has(keys: set[str], prefix: str) -> bool:
 
 @torch.no_grad()
 def _prime_optimizer_state(optimizer: MainParamsOptimizer) -> None:
-    """Create the lazy leaf-optimizer state DCP must load into (RFC §9.2).
+    """Create the lazy leaf-optimizer state DCP must load into (docs/hyper_parallel.md#rfc-001-9-checkpoints).
 
     Params without state get a zero grad and take one step at lr=0 and weight_decay=0, which
     creates their state without changing any param; params that already have state are skipped.

@@ -1,4 +1,5 @@
-"""Trainer-config check and model dtype cast for fp32 main params (RFC 001 §5.2, §6).
+"""Trainer-config check and model dtype cast for fp32 main params (docs/hyper_parallel.md#rfc-001-5-config,
+#rfc-001-6-model-dtype).
 
 ``validate_fp32_main_params_config`` runs before any model is built: fp32 main params need fp32
 gradient reduction, and the config is never rewritten to get it. ``apply_model_init_dtype`` casts

@@ -1,4 +1,5 @@
-"""Muon + AdamW param routing and a minimal chained optimizer (RFC 001 §7.1, reference §1.4/§1.6).
+"""Muon + AdamW param routing and a minimal chained optimizer (docs/hyper_parallel.md#rfc-001-7-optimizers,
+docs/hyper_parallel.md#14-optimizers, #16-trainer).
 
 Routing rule (hyper-parallel's ``Muon`` builder): matrix weights go to Muon; embeddings, output
 heads and biases stay with AdamW. ``torch.optim.Muon`` handles 2-D params only, so the rule here

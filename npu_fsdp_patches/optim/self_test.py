@@ -4,7 +4,7 @@ CI runs the multi-rank FSDP2 contract on CPU only; this is how users verify the 
 the current device, single process, for bf16 and fp32 params it runs 50 AdamW steps with grads from
 far below one bf16 ulp up to O(1) and compares, bit for bit after every step, ``foreach_adamw_step``
 with the reference ``torch.optim.AdamW(foreach=True)`` (the aten ``_foreach_*`` kernels torch FSDP2
-runs on its local shards). For information it also counts how far the two paths the seed names as
+runs on its local shards). For information it also counts how far the two paths issue #700 names as
 wrong drift from the reference on this device: torch's single-tensor path (what a stock step picks
 for hyper-parallel DTensors) and fp32 math followed by ``.to(dtype)``.
 """
@@ -112,7 +112,7 @@ def _grads(step: int) -> list:
 
 @torch.no_grad()
 def _fp32_then_round_step(optimizer: torch.optim.AdamW) -> None:
-    """The seed's rejected fix: AdamW maths in fp32, then ``.to(dtype)`` of param and moments."""
+    """Issue #700's rejected fix: AdamW maths in fp32, then ``.to(dtype)`` of param and moments."""
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         for p in group["params"]:

@@ -1,4 +1,4 @@
-"""Rank-side cases for the foreach_adamw_step contract (DESIGN §4.4, issue 5 item 3).
+"""Rank-side cases for the foreach_adamw_step contract (docs/design.md#44-hp_skip_dispatch_adamw, issue 5 item 3).
 
 Reference: real torch FSDP2 (``fully_shard``) params stepped by ``torch.optim.AdamW(foreach=True)``.
 Candidates, stepped by ``foreach_adamw_step`` on the same local shards with the same grads:

@@ -1,4 +1,5 @@
-"""Rank-side cases for FusedAdam on torch DTensor / gloo (RFC §4.2 matrix, DESIGN §4.1).
+"""Rank-side cases for FusedAdam on torch DTensor / gloo (the test matrix of
+docs/te_fused_adam.md#rfc-42-test-matrix, docs/design.md#41-te_fused_adam_dtensor).
 
 Each public function runs many cases in one launch and returns a list of failure strings (empty =
 pass) plus small facts the pytest side asserts on, so one launch costs one interpreter start-up.

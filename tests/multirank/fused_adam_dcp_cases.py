@@ -1,4 +1,5 @@
-"""Rank-side DCP cases for FusedAdam: save at 2 ranks, resume at 2, 1 or 4 (DESIGN §4.1, §5)."""
+"""Rank-side DCP cases for FusedAdam: save at 2 ranks, resume at 2, 1 or 4
+(docs/design.md#41-te_fused_adam_dtensor, #5-test-rules)."""
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,8 @@ def _dcp_steps(params, opt, first: int, last: int):
 def _full_snapshot(params, opt):
     """Full params and unscaled states, each cast to its storage dtype (the precision it holds).
 
-    fp16 scales are per local shard (RFC §3.3.5), so after resharding an fp16 state is re-rounded
-    with a different scale: comparing in the storage dtype gives that dtype's tolerance.
+    fp16 scales are per local shard (docs/te_fused_adam.md#rfc-335-scaling), so after resharding an fp16 state
+    is re-rounded with a different scale: comparing in the storage dtype gives that dtype's tolerance.
     """
     out = {}
     for i, (name, p) in enumerate(params.items()):

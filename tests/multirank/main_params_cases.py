@@ -1,4 +1,5 @@
-"""Rank-side code of the RFC 001 §2.1-§2.5 acceptance cases (2 gloo ranks, real torch FSDP2 + DCP).
+"""Rank-side code of the RFC 001 acceptance cases 2.1-2.5 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001) (2
+gloo ranks, real torch FSDP2 + DCP).
 
 ``acceptance`` runs cases 1-5 in one launch; ``reshard_load`` loads case 2's checkpoint at another
 world size. Ranks assert and return small summaries (max diffs) for the test to report.
@@ -51,7 +52,8 @@ class TinyLM(nn.Module):
 
 
 def build(dtype, *, sharded, world=None, wrap=True):
-    """RFC §6.1 order: build -> fully_shard -> apply_model_init_dtype -> Muon+AdamW -> wrapper."""
+    """RFC 001 build order (docs/hyper_parallel.md#rfc-001-6-model-dtype): build -> fully_shard ->
+    apply_model_init_dtype -> Muon+AdamW -> wrapper."""
     torch.manual_seed(1234)
     model = TinyLM()
     if sharded:
@@ -93,7 +95,7 @@ def bitwise_mismatches(a, b) -> int:
 
 
 def train_step(model, opt, step, rank=None, world=None, clip=1.0):
-    """Forward/backward/prepare/clip/step; returns the per-step quantities the RFC compares."""
+    """Forward/backward/prepare/clip/step; returns the per-step quantities RFC 001 compares."""
     ids, targets = batch(step, rank, world)
     loss = F.cross_entropy(model(ids).float().reshape(-1, VOCAB), targets.reshape(-1))
     loss.backward()
