@@ -59,10 +59,11 @@ def doctor_text(report: dict) -> str:
     lines += ["", f"Patches (matrix: {_path(plugin['matrix'], WIDTH - 19)})"]
     if plugin["config_error"]:
         lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
+    col = _name_width(report["patches"])
     for r in report["patches"]:
-        lines.append(fit(f"  {r['name']:<27} {r['decision']:<9} {r['state']:<10} {_why(r)}"))
+        lines.append(fit(f"  {r['name']:<{col}} {r['decision']:<9} {r['state']:<10} {_why(r)}"))
     lines += ["", "Patch code (distribution and version)"] + [
-        fit(f"  {r['name']:<27} {_code(r.get('provenance'))}") for r in report["patches"]]
+        fit(f"  {r['name']:<{col}} {_code(r.get('provenance'))}") for r in report["patches"]]
     if report.get("self_test") is not None:
         lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
     for title, items in (("Errors", report.get("errors") or []), ("Warnings", report["warnings"])):
@@ -150,5 +151,12 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     return "\n".join(lines)
 
 
+def _name_width(records: Iterable[dict]) -> int:
+    """The patch-name column: as wide as the longest name, so the columns after it line up."""
+    return max((len(r["name"]) for r in records), default=0)
+
+
 def list_text(records: Iterable[dict]) -> str:
-    return "\n".join(fit(f"{r['name']:<27} {r['decision']:<9} {r['summary']}") for r in records)
+    records = list(records)
+    col = _name_width(records)
+    return "\n".join(fit(f"{r['name']:<{col}} {r['decision']:<9} {r['summary']}") for r in records)
