@@ -44,9 +44,11 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
     checkout = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, cwd=root,
                               env={**clean_env, "PYTHONPATH": str(REPO_ROOT)})
     assert checkout.returncode == 0, checkout.stderr
-    four = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor", "te_initialize_state_compat"]
+    six = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor",
+           "te_fused_adam_empty_scale", "te_initialize_state_compat",
+           "te_multi_tensor_apply_empty_tail"]
     found = json.loads(checkout.stdout)
-    assert found["names"] == four and found["builtins"] == four
+    assert found["names"] == six and found["builtins"] == six
 
     src = root / "src"
     _copy_sources(src)
@@ -67,17 +69,17 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
                             text=True, timeout=300, cwd=root, env=clean_env)
     assert doctor.returncode == 0, doctor.stderr
     report = json.loads(doctor.stdout)
-    assert sorted(p["name"] for p in report["patches"]) == four
+    assert sorted(p["name"] for p in report["patches"]) == six
     assert "site-packages" in report["plugin"]["matrix"]
     assert report["environment"]["torch"] is None  # no torch in this venv: doctor still works
     installed = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
                                cwd=root, env=clean_env)
     assert installed.returncode == 0, installed.stderr
     found = json.loads(installed.stdout)
-    assert found["names"] == four and "site-packages" in found["matrix"]
+    assert found["names"] == six and "site-packages" in found["matrix"]
     listed = subprocess.run([python, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
                             timeout=120, cwd=root, env=clean_env)
-    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 4
+    assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 6
 
     # self-test from the wheel alone: torch comes from the test's own site-packages on PYTHONPATH, the
     # plugin (and every rank torchrun starts) from the installed copy; the sources are gone
