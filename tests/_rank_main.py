@@ -10,8 +10,7 @@ import sys
 def main() -> None:
     import torch.distributed as dist
 
-    from tests.old_torch_cpu import add_cpu_stream_events, fix_gloo_reduce_scatter_avg
-    add_cpu_stream_events()   # torch 2.6 only: FSDP2 on CPU needs stream events torch 2.7 added
+    from tests.old_torch_cpu import fix_gloo_reduce_scatter_avg
 
     module_name, func_name = os.environ["NPU_FSDP_RANK_TARGET"].split(":")
     func = getattr(importlib.import_module(module_name), func_name)

@@ -1,10 +1,7 @@
-"""Test-side shims for FSDP2 on CPU/gloo with older torch; installed only where a probe shows the
-gap, only in rank processes (``tests/_rank_main.py``). The plugin never touches streams or collectives.
+"""Test-side shim for FSDP2 on CPU/gloo with older torch; installed only where a probe shows the
+gap, only in rank processes (``tests/_rank_main.py``). The plugin never touches collectives.
 
-* torch 2.6's ``torch.cpu.Stream`` is a stub without ``record_event``/``wait_event``, which FSDP2's
-  collectives call (torch 2.6 ``_fsdp_collectives.py:171,251``); torch 2.7 added them. CPU ops are
-  synchronous, so an already-complete event is exact.
-* FSDP2 reduce-scatters gradients with ``ReduceOp.AVG`` (torch 2.7.1 ``_fsdp_collectives.py:407``);
+FSDP2 reduce-scatters gradients with ``ReduceOp.AVG`` (torch 2.7.1 ``_fsdp_collectives.py:407``);
   gloo in older torch sums instead (measured: the grad norm of a 2-rank FSDP2 model came out 2x the
   unsharded one on torch 2.7.1). Where the probe sees that, AVG on gloo runs as SUM / group size.
 """
@@ -12,16 +9,6 @@ import functools
 
 import torch
 import torch.distributed as dist
-
-
-def add_cpu_stream_events() -> bool:
-    """Give torch.cpu.Stream no-op ``record_event``/``wait_event`` where torch lacks them."""
-    stream = torch.cpu.Stream
-    if hasattr(stream, "record_event"):
-        return False
-    stream.record_event = lambda self, event=None: event if event is not None else torch.cpu.Event()
-    stream.wait_event = lambda self, event: None
-    return True
 
 
 def gloo_reduce_scatter_avg_sums() -> bool:

@@ -4,12 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.torch_versions import needs_cpu_stream_events
+from tests.torch_versions import needs_fsdp2_on_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@needs_cpu_stream_events
+@needs_fsdp2_on_cpu
 def test_fsdp2_fused_adam_example_trains_saves_and_resumes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [env.get("PYTHONPATH", "")])

@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 from tests.support import REPO_ROOT
-from tests.torch_versions import needs_cpu_stream_events
+from tests.torch_versions import needs_fsdp2_on_cpu
 
 
-@needs_cpu_stream_events
+@needs_fsdp2_on_cpu
 def test_example_reports_zero_mismatches():
     env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]))

@@ -5,8 +5,10 @@ One 2-rank launch runs the five cases (plus the FSDP2 dtype-cast checks); a 4-ra
 loads case 2's checkpoint at the other world size. Rank code: tests/multirank/main_params_cases.py.
 """
 from tests.distributed import run_ranks
+from tests.torch_versions import needs_fsdp2_on_cpu
 
 
+@needs_fsdp2_on_cpu
 def test_acceptance_cases_and_reshard(tmp_path):
     root = str(tmp_path)
     results = run_ranks("tests.multirank.main_params_cases:acceptance", world_size=2,
