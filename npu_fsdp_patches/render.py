@@ -142,7 +142,7 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     if spec.stand_down_probe:
         lines.append(f"Stand-down probe: {spec.stand_down_probe} (skipped when upstream already has the fix)")
     if spec.verified:
-        lines.append("Verified: " + "; ".join(f"{fw} {', '.join(v)}" for fw, v in spec.verified.items()))
+        lines += wrap("Verified: " + "; ".join(f"{fw} {', '.join(v)}" for fw, v in spec.verified.items()))
     for key, value in spec.upstream.items():
         value = ", ".join(value) if isinstance(value, list) else value
         lines += wrap(f"Upstream {key}: {value}")

@@ -61,7 +61,7 @@ def test_doctor_text_fits_100_columns_with_one_line_per_patch(tmp_path):
     start = lines.index(next(line for line in lines if line.startswith("Patches (matrix:")))
     patch_lines = lines[start + 1:lines.index("", start)]
     assert [line.split()[0] for line in patch_lines] == ["demo_shout", "demo_child", "demo_gated_off", "demo_absent"]
-    assert "  demo_gated_off              disabled  disabled   demo-framework 1.2.0 does not match <1.0" in lines
+    assert "  demo_gated_off disabled  disabled   demo-framework 1.2.0 does not match <1.0" in lines
     assert lines[-1] == "Summary: 2 disabled, 2 pending; exit code 0"
 
 
@@ -182,8 +182,8 @@ def test_explain_every_shipped_patch_fits_100_columns():
 import contextlib, io, json
 from npu_fsdp_patches.cli import main
 out = {}
-for name in ("te_fused_adam_dtensor", "te_initialize_state_compat", "hp_fp32_main_params",
-             "hp_skip_dispatch_adamw"):
+from npu_fsdp_patches.matrix import SHIPPED_MATRIX, load_matrix
+for name in load_matrix(SHIPPED_MATRIX).patches:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = main(["explain", name])
@@ -201,7 +201,7 @@ def test_doctor_shows_each_patch_provenance(tmp_path):
     proc = cli(tmp_path, "doctor")
     lines = proc.stdout.splitlines()
     start = lines.index("Patch code (distribution and version)")
-    assert lines[start + 1] == "  demo_shout                  demo-patches 0.1.0 entry point demo_patches:Shout"
+    assert lines[start + 1] == "  demo_shout     demo-patches 0.1.0 entry point demo_patches:Shout"
     report = json.loads(cli(tmp_path, "doctor", "--json").stdout)
     assert report["patches"][0]["provenance"] == {"value": "demo_patches:Shout", "distribution": "demo-patches",
                                                   "version": "0.1.0", "builtin": False}

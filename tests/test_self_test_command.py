@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from tests.support import REPO_ROOT, install_fixture, run_python
+from tests.te_real import require_te_site
 
 BASE_CHECKS = ["adamw_step", "fused_adam", "main_params", "foreach_adamw"]
 FIXTURE_CHECKS = ["te_fused_adam", "hyper_skip_dispatch"]
@@ -35,7 +36,9 @@ def by_name(report):
 
 
 def fixture_sites(tmp_path, te, hyper):
-    return [install_fixture(te, tmp_path), install_fixture(hyper, tmp_path)]
+    """The TE site (a fixture, or ``te-<version>``: that release's real sources) and a hyper fixture."""
+    te_site = require_te_site(te[3:]) if te.startswith("te-") else install_fixture(te, tmp_path)
+    return [te_site, install_fixture(hyper, tmp_path)]
 
 
 def test_every_applicable_check_passes_in_the_base_env(tmp_path):
@@ -58,7 +61,7 @@ def test_every_applicable_check_passes_in_the_base_env(tmp_path):
 
 
 @pytest.mark.parametrize("te, hyper", [("te_npu_prefix", "hyper_parallel_new"),
-                                       ("te_nvidia_2_11", "hyper_parallel_old")])
+                                       ("te-2.11.0", "hyper_parallel_old")])
 def test_te_and_hyper_checks_pass_on_the_fixtures(tmp_path, te, hyper):
     rc, report, proc = self_test("--only", ",".join(FIXTURE_CHECKS), "--json",
                                  paths=fixture_sites(tmp_path, te, hyper))

@@ -16,15 +16,28 @@ def torch_fw(version):
     return Detected("torch", True, "torch", version, source="metadata")
 
 
-def everything_installed(torch_version):
-    """Every framework of the shipped matrix installed, in a flavour/version some gate accepts."""
+#: TE installs a gate may ask for: TENPU, NVTE before the DTensor fix, NVTE after it
+TE_CANDIDATES = (("transformer-engine-npu", "0.1.0", "npu"), ("transformer-engine", "2.11.0", "nvidia"),
+                 ("transformer-engine", "2.17.1", "nvidia"))
+
+
+def everything_installed(torch_version, te=TE_CANDIDATES[0]):
+    """Every framework of the shipped matrix installed, with ``te`` as the TE install."""
+    dist, version, flavor = te
     out = {name: Detected(name, False) for name in SHIPPED.frameworks}
     out.update(torch=torch_fw(torch_version),
-               transformer_engine=Detected("transformer_engine", True, "transformer-engine-npu", "0.1.0",
-                                           flavor="npu"),
+               transformer_engine=Detected("transformer_engine", True, dist, version, flavor=flavor),
                megatron_core=Detected("megatron_core", True, "megatron-core", "0.16.1"),
                hyper_parallel=Detected("hyper_parallel", True, "hyper-parallel", "0.1.0"))
     return out
+
+
+def installed_for(name, torch_version):
+    """Frameworks at ``torch_version`` with the first TE install under which ``name`` applies on 2.13."""
+    spec = SHIPPED.patches[name]
+    te = next(te for te in TE_CANDIDATES
+              if decide(spec, everything_installed("2.13.0", te), parse_settings({})).enabled)
+    return everything_installed(torch_version, te)
 
 
 def test_every_patch_gates_on_torch_2_6_and_lists_the_verified_torch():
@@ -47,7 +60,7 @@ def test_unsupported_torch_disables_every_patch_naming_it(version):
     frameworks = everything_installed(version)
     settings = parse_settings({})
     for name, spec in SHIPPED.patches.items():
-        decision = decide(spec, frameworks, settings)
+        decision = decide(spec, installed_for(name, version), settings)
         assert not decision.enabled and f"torch {version} does not match" in decision.reason, \
             (name, decision.reason)
     (finding,) = torch_findings(frameworks["torch"], SHIPPED)
@@ -58,7 +71,7 @@ def test_unsupported_torch_disables_every_patch_naming_it(version):
 def test_verified_torch_is_enabled_verified_and_quiet(version):
     frameworks = everything_installed(version)
     for name, spec in SHIPPED.patches.items():
-        decision = decide(spec, frameworks, parse_settings({}))
+        decision = decide(spec, installed_for(name, version), parse_settings({}))
         assert decision.enabled, (name, decision.reason)
         assert not any(u.startswith("torch") for u in decision.unverified), (name, decision.unverified)
     assert torch_findings(frameworks["torch"], SHIPPED) == []
