@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, run_python
 
 DEPS = ["wrapt", "packaging", "PyYAML", "importlib-metadata"]
 
@@ -98,3 +98,14 @@ def test_pyproject_entry_points_match_the_builtin_table():
     sys.path.insert(0, str(REPO_ROOT))
     from npu_fsdp_patches.loader import builtin_table
     assert declared == builtin_table()
+
+
+def test_optim_exports_resolve_lazily_to_their_modules():
+    """Every public optim name resolves, and importing the package alone loads no implementation."""
+    out = run_python("""
+import sys, npu_fsdp_patches.optim as optim
+before = sorted(m for m in sys.modules if m.startswith('npu_fsdp_patches.optim.'))
+names = {n: getattr(optim, n).__module__ for n in optim.__all__}
+print(before, names['build_muon_adamw'], len(names))
+""").stdout.split()
+    assert out[0] == "[]" and out[1] == "npu_fsdp_patches.optim.muon_routing"

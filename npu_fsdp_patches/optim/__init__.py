@@ -15,6 +15,9 @@ _EXPORTS = {
     "load_checkpoint": "main_params_checkpoint",
     "validate_fp32_main_params_config": "model_dtype",
     "apply_model_init_dtype": "model_dtype",
+    "build_muon_adamw": "muon_routing",
+    "split_muon_adamw_params": "muon_routing",
+    "OptimizerChain": "muon_routing",
 }
 
 __all__ = sorted(_EXPORTS)
