@@ -23,8 +23,9 @@ from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype,
                                     save_checkpoint, validate_fp32_main_params_config)
 from npu_fsdp_patches.optim._tensors import local_tensor
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw
+from npu_fsdp_patches.selftest.checks.main_params import DIM, SEQ, VOCAB, TinyLM as SelfTestLM
 
-VOCAB, DIM, BATCH, SEQ = 11, 8, 8, 8
+BATCH = 8
 MUON = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 MP = "_mixed_precision_optimizer"
@@ -32,16 +33,12 @@ MP = "_mixed_precision_optimizer"
 HAS_MUON = hasattr(torch.optim, "Muon")
 
 
-class TinyLM(nn.Module):
-    """Embedding, two Muon matrices (7 rows: uneven shards), a 1-element gain (empty shard), head."""
+class TinyLM(SelfTestLM):
+    """The self-test's model (two Muon matrices with uneven shards, a 1-element gain with an empty
+    shard) plus an int and a float buffer, which ``apply_model_init_dtype`` must treat differently."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.proj1 = nn.Linear(DIM, 7)
-        self.proj2 = nn.Linear(7, DIM, bias=False)
-        self.gain = nn.Parameter(torch.full((1,), 0.5))
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
         self.register_buffer("positions", torch.arange(SEQ))          # int buffer: never cast
         self.register_buffer("scale", torch.ones(DIM))                 # float buffer: cast
 
