@@ -9,11 +9,7 @@ keeps its initial 1.0) and calls TE's original for every non-empty state.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from npu_fsdp_patches.patch import Patch
-
-from .te_fused_adam import _MODULE, graft, unpatched
+from .te_fused_adam import GraftPatch, _MODULE, unpatched
 
 
 def _apply_scale(original):
@@ -24,13 +20,9 @@ def _apply_scale(original):
     return _apply_scale
 
 
-class TeFusedAdamEmptyScale(Patch):
+class TeFusedAdamEmptyScale(GraftPatch):
     name = "te_fused_adam_empty_scale"
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        if not symbol.endswith("._apply_scale") or not callable(original):
-            raise ValueError(f"{self.name}: no replacement for {symbol}")
-        return graft(self.name, "_apply_scale", original, _apply_scale)
+    factories = {"_apply_scale": _apply_scale}
 
     def upstream_scales_empty(self) -> bool:
         """True when the installed ``_apply_scale`` accepts an empty fp16 state (the fix itself)."""

@@ -144,22 +144,32 @@ def unpatched(fn):
     return fn
 
 
-class TeFusedAdamDTensor(Patch):
-    name = "te_fused_adam_dtensor"
+class GraftPatch(Patch):
+    """A patch whose replacements are declared: ``factories`` maps each target's method name to a
+    factory ``f(original) -> replacement``, and :func:`graft` marks what it returns."""
+    factories: dict = {}
 
     def replacement(self, symbol: str, original: Any) -> Any:
         method = symbol.rsplit(".", 1)[-1]
-        if method not in _FACTORIES or not callable(original):
+        if method not in self.factories or not callable(original):
             raise ValueError(f"{self.name}: no replacement for {symbol}")
-        if method != "step":
-            return graft(self.name, method, original, _FACTORIES[method])
+        return graft(self.name, method, original, self.factories[method])
+
+
+class TeFusedAdamDTensor(GraftPatch):
+    name = "te_fused_adam_dtensor"
+    factories = _FACTORIES
+
+    def replacement(self, symbol: str, original: Any) -> Any:
+        if symbol.rsplit(".", 1)[-1] != "step" or not callable(original):
+            return super().replacement(symbol, original)
         # torch.optim.Optimizer.__init__ re-wraps an un-hooked ``cls.step`` with its profiling /
         # step-hook wrapper (``_patch_step_function``), which would bury this graft under a foreign
         # class attribute. Install it already hooked, around the un-hooked original, so step hooks
         # run exactly once and the class attribute stays the object the core installed.
         import torch
         inner = original.__wrapped__ if getattr(original, "hooked", False) else original
-        hooked = torch.optim.Optimizer.profile_hook_step(graft(self.name, method, inner, _step))
+        hooked = torch.optim.Optimizer.profile_hook_step(graft(self.name, "step", inner, _step))
         hooked.hooked = True
         return hooked
 

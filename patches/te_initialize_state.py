@@ -9,11 +9,8 @@ an explicit value that contradicts it raises ``ValueError``, and the original me
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
-from npu_fsdp_patches.patch import Patch
-
-from .te_fused_adam import _MODULE, graft, unpatched
+from .te_fused_adam import GraftPatch, _MODULE, unpatched
 
 
 def _initialize_state(original):
@@ -23,13 +20,9 @@ def _initialize_state(original):
     return initialize_state
 
 
-class TeInitializeStateCompat(Patch):
+class TeInitializeStateCompat(GraftPatch):
     name = "te_initialize_state_compat"
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        if not symbol.endswith(".initialize_state") or not callable(original):
-            raise ValueError(f"{self.name}: no replacement for {symbol}")
-        return graft(self.name, "initialize_state", original, _initialize_state)
+    factories = {"initialize_state": _initialize_state}
 
     def upstream_has_default(self) -> bool:
         """True when ``store_param_remainders`` is absent (TE < 2.1) or already has a default."""

@@ -10,11 +10,7 @@ of the installed ``__call__`` and calls the original with the remaining slots.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from npu_fsdp_patches.patch import Patch
-
-from .te_fused_adam import graft, unpatched
+from .te_fused_adam import GraftPatch, unpatched
 
 _MODULE = "transformer_engine.pytorch.optimizers.multi_tensor_apply"
 
@@ -38,13 +34,9 @@ def _call(original):
     return __call__
 
 
-class TeMultiTensorApplyEmptyTail(Patch):
+class TeMultiTensorApplyEmptyTail(GraftPatch):
     name = "te_multi_tensor_apply_empty_tail"
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        if not symbol.endswith("MultiTensorApply.__call__") or not callable(original):
-            raise ValueError(f"{self.name}: no replacement for {symbol}")
-        return graft(self.name, "__call__", original, _call)
+    factories = {"__call__": _call}
 
     def upstream_skips_empty(self) -> bool:
         """True when the installed ``MultiTensorApply`` already keeps empty tensors from the kernel.
