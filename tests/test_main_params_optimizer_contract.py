@@ -204,9 +204,15 @@ def test_bf16_scheduler_and_clipping_reach_the_main_params():
 
 # ---- item 1: cached param identity is detected on the instance, not by class name -------------
 
-#: torch.optim.Muon exists from torch 2.9; before it the Muon-named classes build on SGD, which keeps
-#: what these tests are about: a "muon" name, and what the instance holds besides ``state``
-MuonBase = getattr(torch.optim, "Muon", torch.optim.SGD)
+if hasattr(torch.optim, "Muon"):
+    MuonBase = torch.optim.Muon
+else:
+    class MuonBase(torch.optim.SGD):
+        """torch < 2.9 has no Muon: a momentum SGD keeps what these tests are about, a "muon" name
+        and a per-param state (``momentum_buffer``), next to what the instance holds besides it."""
+
+        def __init__(self, params, lr=0.02):
+            super().__init__(params, lr=lr, momentum=0.95)
 
 
 class DistributedMuonLike(MuonBase):
