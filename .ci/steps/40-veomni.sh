@@ -5,8 +5,8 @@
 # veomni's import), plus the two of its deps veomni's import needs (tokenizers, typer); the registry's
 # torchvision (pulled in by timm) is removed because it breaks CPU torch.
 # NPU_FSDP_PATCHES_REQUIRE_VEOMNI=1 turns the tests' "veomni missing" skip into a failure.
-# Measured here (2 cores shared with 4 other jobs, load average ~12): cold venv + install 1274 s,
-# tests 193 s for the two train-and-resume tests (the checkpointer test adds ~95 s).
+# Measured on the merged tree (2 cores, lightly loaded): cold venv + install 345 s, tests 46 s
+# (3 tests). Under a load average of ~12 the install took 1274 s.
 set -uo pipefail
 venv=.ci/venvs/veomni
 constraints=.ci/steps/40-veomni.constraints.txt

@@ -7,8 +7,8 @@
 # torch 2.13.0 for cp312 comes from the registry (a CUDA build, ~5 GB, that runs on CPU).
 # NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 and NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1 turn the tests'
 # skips into failures.
-# Measured here (2 cores shared with 4 other jobs, load average ~12): cold venv + install 1122 s
-# (includes the ~5 GB torch wheel), tests 373 s (4 tests, 8 rank processes).
+# Measured on the merged tree (2 cores, lightly loaded): cold venv + install 216 s (with the ~5 GB
+# torch wheel), tests 120 s (4 tests, 8 rank processes). Under a load average of ~12: 1122 s + 373 s.
 set -uo pipefail
 venv=.ci/venvs/megatron-py312
 root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
