@@ -1,8 +1,9 @@
 """npu_fsdp_patches: versioned, revertible fixes for optimizer bugs of NPU stacks under FSDP2/DTensor.
 
-Importing this package activates the plugin (docs/design.md#31-activation): it reads the NPU_FSDP_PATCHES_* env vars,
-detects installed frameworks from their metadata, evaluates compat_matrix.yaml and registers
-post-import hooks for the enabled patches. It imports neither torch nor any target framework.
+Importing this package activates the plugin (docs/design.md#31-activation): it reads the
+NPU_FSDP_PATCHES_* env vars, detects installed frameworks from their metadata, evaluates
+compat_matrix.yaml and registers post-import hooks for the enabled patches. It imports neither torch
+nor any target framework.
 """
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ def detect() -> dict[str, Any]:
     """Detected frameworks: version, location, source and flavor, read without importing them."""
     _RUNTIME.ensure_prepared()
     return {name: info.as_dict() for name, info in _RUNTIME.frameworks.items()}
-
 
 
 def _started_as_cli() -> bool:

@@ -10,16 +10,15 @@ the bf16 shards, never fp32 math followed by ``.to(bf16)``.
 
 So this module never re-implements the update. It calls torch's functional ``torch.optim.adam.adam``
 (for ``AdamW`` on torch < 2.7, where ``AdamW`` is not an ``Adam`` subclass, its own functional
-``torch.optim.adamw.adamw``, as ``AdamW.step`` does there) on plain local tensors (``to_local()`` for either DTensor flavour) with the implementation chosen
-explicitly, which follows the installed torch version op for op. The optimizer state keeps torch's own
-format (``step`` tensor, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so ``state_dict()`` and
-later plain ``step()`` calls are unaffected.
+``torch.optim.adamw.adamw``, as ``AdamW.step`` does there) on plain local tensors (``to_local()`` for
+either DTensor flavour) with the implementation chosen explicitly, which follows the installed torch
+version op for op. The optimizer state keeps torch's own format (``step`` tensor, ``exp_avg``,
+``exp_avg_sq``, ``max_exp_avg_sq``), so ``state_dict()`` and later plain ``step()`` calls are unaffected.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import inspect
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
