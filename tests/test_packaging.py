@@ -44,11 +44,11 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
     checkout = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, cwd=root,
                               env={**clean_env, "PYTHONPATH": str(REPO_ROOT)})
     assert checkout.returncode == 0, checkout.stderr
-    six = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor",
-           "te_fused_adam_empty_scale", "te_initialize_state_compat",
-           "te_multi_tensor_apply_empty_tail"]
+    shipped = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor",
+               "te_fused_adam_empty_scale", "te_initialize_state_compat",
+               "te_multi_tensor_apply_empty_tail", "veomni_dcp_refuse_main_params"]
     found = json.loads(checkout.stdout)
-    assert found["names"] == six and found["builtins"] == six
+    assert found["names"] == shipped and found["builtins"] == shipped
 
     src = root / "src"
     _copy_sources(src)
@@ -69,14 +69,14 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
                             text=True, timeout=300, cwd=root, env=clean_env)
     assert doctor.returncode == 0, doctor.stderr
     report = json.loads(doctor.stdout)
-    assert sorted(p["name"] for p in report["patches"]) == six
+    assert sorted(p["name"] for p in report["patches"]) == shipped
     assert "site-packages" in report["plugin"]["matrix"]
     assert report["environment"]["torch"] is None  # no torch in this venv: doctor still works
     installed = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
                                cwd=root, env=clean_env)
     assert installed.returncode == 0, installed.stderr
     found = json.loads(installed.stdout)
-    assert found["names"] == six and "site-packages" in found["matrix"]
+    assert found["names"] == shipped and "site-packages" in found["matrix"]
     listed = subprocess.run([python, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
                             timeout=120, cwd=root, env=clean_env)
     assert listed.returncode == 0 and len(listed.stdout.splitlines()) == 6

@@ -28,7 +28,8 @@ def everything_installed(torch_version, te=TE_CANDIDATES[0]):
     out.update(torch=torch_fw(torch_version),
                transformer_engine=Detected("transformer_engine", True, dist, version, flavor=flavor),
                megatron_core=Detected("megatron_core", True, "megatron-core", "0.16.1"),
-               hyper_parallel=Detected("hyper_parallel", True, "hyper-parallel", "0.1.0"))
+               hyper_parallel=Detected("hyper_parallel", True, "hyper-parallel", "0.1.0"),
+               veomni=Detected("veomni", True, "veomni", "0.1.12"))
     return out
 
 

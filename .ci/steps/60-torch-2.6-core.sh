@@ -6,7 +6,7 @@
 # files are not repeated here; .ci/extra/older-torch.sh runs the whole suite on 2.6.0, 2.7.1 and 2.10.0
 # by hand. Skips name what torch 2.6 lacks (Muon, Adam(decoupled_weight_decay), FSDP2 training on CPU).
 # Measured on this machine kind (2 cores, lightly loaded): install 245 s, tests 240 s (159 passed,
-# 4 skipped).
+# 4 skipped), before tests/test_veomni_dcp_refusal_patch.py (one fresh interpreter, a few seconds) joined.
 set -uo pipefail
 version=2.6.0
 venv=.ci/venvs/torch-$version
@@ -24,7 +24,8 @@ CUDA_VISIBLE_DEVICES="" "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider 
     tests/test_main_params.py tests/test_main_params_acceptance.py tests/test_main_params_hyper.py \
     tests/test_main_params_optimizer_contract.py tests/test_hp_skip_dispatch_patch.py \
     tests/test_hp_fp32_main_params_patch.py tests/test_te_fused_adam_patch.py \
-    tests/test_megatron_initialize_state.py tests/test_torch_gate.py
+    tests/test_megatron_initialize_state.py tests/test_torch_gate.py \
+    tests/test_veomni_dcp_refusal_patch.py
 rc=$?
 echo "60-torch-2.6-core: tests took $((SECONDS - t1)) s"
 rm -rf "$venv"   # about 5 GB

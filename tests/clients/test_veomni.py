@@ -28,12 +28,43 @@ def test_veomni_optimizer_trains_and_resumes_exactly(tmp_path, optimizer_type, l
     assert [r["local_gain_numel"] for r in results] == [1, 0]
 
 
-def test_veomni_distributed_checkpointer_cannot_map_main_params(tmp_path):
-    """Pins the README's limit: veomni's checkpointer goes through torch's get_optimizer_state_dict,
-    which maps optimizer params to model params by identity; fp32 main params are not model params."""
+def test_veomni_distributed_checkpointer_refuses_main_params_up_front(tmp_path):
+    """veomni's checkpointer hands the optimizer to torch's get/set_optimizer_state_dict, which map
+    params to model FQNs by identity; fp32 main params are not model params. The patch refuses
+    before save creates the directory and before load touches model, optimizer or extra_state;
+    revert brings back veomni's original (KeyError after writing extra_state), apply the refusal."""
     require_veomni()
-    results = run_ranks("tests.multirank.veomni_cases:distributed_checkpointer", world_size=2,
+    results = run_ranks("tests.multirank.veomni_cases:refuses_main_params", world_size=2,
                         args={"root": str(tmp_path)}, timeout=600)
     for result in results:
-        assert result["error"] is not None and result["error"].startswith("KeyError"), result["error"]
-        assert any(result["error"] == f"KeyError: '{fqn}'" for fqn in result["fqns"]), result["error"]
+        assert result["patch"] == ("applied", "veomni_dcp_refuse_main_params")
+        for action in ("save", "load"):
+            error = result[f"{action}_error"]
+            assert error.startswith(f"TypeError: veomni DistributedCheckpointer.{action} cannot "
+                                    f"checkpoint the optimizer npu_fsdp_patches.optim.main_params."
+                                    f"MainParamsOptimizer: its fp32 main params are not model "
+                                    f"parameters"), error
+            assert "get_optimizer_state_dict" in error and "npu_fsdp_patches.optim.save_checkpoint" in error
+        assert result["save_wrote"] is False
+        assert result["load_changed"] == {} and result["load_compared"] >= 15
+        assert result["load_touched_files"] is False and result["state_untouched"] is True
+        # revert: veomni's own path again, which fails after writing (the negative control)
+        assert result["reverted"] == ("reverted", None)
+        assert any(result["reverted_error"] == f"KeyError: '{fqn}'" for fqn in result["fqns"])
+        assert [f for f, _, _ in result["reverted_wrote"]] == [
+            "extra_state", "extra_state/extra_state_rank_0.pt", "extra_state/extra_state_rank_1.pt"]
+        assert result["reapplied"] == ("applied", "veomni_dcp_refuse_main_params")
+        assert result["reapplied_error"].startswith("TypeError: veomni DistributedCheckpointer.save")
+
+
+def test_veomni_distributed_checkpointer_plain_optimizer_untouched(tmp_path):
+    """A plain veomni AdamW through the patched checkpointer: identical to veomni's original."""
+    require_veomni()
+    results = run_ranks("tests.multirank.veomni_cases:plain_optimizer_untouched", world_size=2,
+                        args={"root": str(tmp_path)}, timeout=600)
+    for result in results:
+        assert result["patch"] == (("applied", "veomni_dcp_refuse_main_params"), ("reverted", None))
+        assert result["vs_saved"] == {} and result["vs_original"] == {}, result
+        assert result["compared"] >= 15 and result["keys"] >= 15
+        assert result["same_keys"] and result["same_extra"] and result["same_groups"]
+        assert result["control"] == {"state.q_proj.weight.exp_avg": 1}   # the comparison sees 1 ulp
