@@ -66,5 +66,5 @@ def test_veomni_distributed_checkpointer_plain_optimizer_untouched(tmp_path):
         assert result["patch"] == (("applied", "veomni_dcp_refuse_main_params"), ("reverted", None))
         assert result["vs_saved"] == {} and result["vs_original"] == {}, result
         assert result["compared"] >= 15 and result["keys"] >= 15
-        assert result["same_keys"] and result["same_extra"] and result["same_groups"]
+        assert result["same_keys"] and result["same_extra"] and result["same_groups"], result
         assert result["control"] == {"state.q_proj.weight.exp_avg": 1}   # the comparison sees 1 ulp

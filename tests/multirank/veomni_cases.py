@@ -226,17 +226,18 @@ def plain_optimizer_untouched(rank: int, world: int, root: str) -> dict:
         patch = _patch_state()
         checkpointer.save(path, {"model": model, "optimizer": opt, "extra_state": {"global_step": 2}})
         fresh_model, fresh_opt = build("adamw", world, wrap=False)
-        extra = {}
-        checkpointer.load(path, {"model": fresh_model, "optimizer": fresh_opt, "extra_state": extra})
+        state = {"model": fresh_model, "optimizer": fresh_opt, "extra_state": {}}
+        checkpointer.load(path, state)   # veomni replaces state["extra_state"] with the saved one
         groups = [{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups]
-        runs[mode] = {"patch": patch, "tensors": snapshot(fresh_model, fresh_opt), "extra": extra,
+        runs[mode] = {"patch": patch, "tensors": snapshot(fresh_model, fresh_opt),
+                      "extra": state["extra_state"],
                       "groups": repr(groups),
                       "keys": sorted(FileSystemReader(path).read_metadata().state_dict_metadata)}
     npu_fsdp_patches.apply(PATCH)
     patched, reverted = runs["patched"], runs["reverted"]
     control = {k: v.clone() for k, v in patched["tensors"].items()}
     first = control["state.q_proj.weight.exp_avg"].view(-1)
-    first[0] = torch.nextafter(first[0], torch.tensor(float("inf")))
+    first[0] = torch.nextafter(first[0], torch.tensor(float("inf"), dtype=first.dtype))   # bf16 ulp
     return {"patch": (patched["patch"], reverted["patch"]),
             "vs_saved": _mismatched(saved, patched["tensors"]),
             "vs_original": _mismatched(reverted["tensors"], patched["tensors"]),
