@@ -6,7 +6,9 @@
 # torchvision (pulled in by timm) is removed because it breaks CPU torch.
 # NPU_FSDP_PATCHES_REQUIRE_VEOMNI=1 turns the tests' "veomni missing" skip into a failure.
 # Measured on the merged tree (2 cores, lightly loaded): cold venv + install 345 s, tests 46 s
-# (3 tests). Under a load average of ~12 the install took 1274 s.
+# (3 tests). Under a load average of ~12 the install took 1274 s. With the two checkpointer tests of
+# patch veomni_dcp_refuse_main_params (4 tests) at a load average of ~14: install 1119 s, tests 271 s
+# (80 s of CPU); not yet re-timed lightly loaded.
 set -uo pipefail
 venv=.ci/venvs/veomni
 constraints=.ci/steps/40-veomni.constraints.txt
