@@ -2,7 +2,9 @@
 
 veomni's own ``build_optimizer`` (AdamW; Muon = ``MultiOptimizer`` of ``DistributedMuon`` + AdamW)
 on a bf16 ``fully_shard`` model, wrapped by ``MainParamsOptimizer``, trains and resumes through
-``save_checkpoint``/``load_checkpoint`` bit for bit. Skips without veomni (see veomni_env.py).
+``save_checkpoint``/``load_checkpoint`` bit for bit; veomni's own ``DistributedCheckpointer`` refuses
+the wrapper up front (patch ``veomni_dcp_refuse_main_params``) and is unchanged for a plain optimizer.
+Skips without veomni (see veomni_env.py).
 Rank code: tests/multirank/veomni_cases.py.
 """
 import pytest
