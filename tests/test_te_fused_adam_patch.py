@@ -1,20 +1,20 @@
 """te_fused_adam_dtensor and te_initialize_state_compat on TE fixtures, in fresh interpreters."""
 import os
+import shutil
 
 import pytest
 
 from tests.distributed import run_ranks
-from tests.support import install_fixture, run_python
-from tests.te_real import require_te_site
+from tests.support import run_python
+from tests.te_real import require_te_site, require_tenpu_site
 
 FLAVORS = ("tenpu", "nvte211")
 _ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")}
 
 
 def _site(flavor, tmp_path):
-    """TENPU's stand-in fixture, or TE 2.11's real FusedAdam from its registry wheel."""
-    return install_fixture("te_npu_prefix", tmp_path) if flavor == "tenpu" else require_te_site(
-        "2.11.0")
+    """TENPU's stand-in (NVTE 2.15's real FusedAdam under TENPU's overlay), or TE 2.11's real one."""
+    return require_tenpu_site() if flavor == "tenpu" else require_te_site("2.11.0")
 
 
 @pytest.mark.parametrize("flavor, unpatched_error", [
@@ -85,7 +85,8 @@ print(json.dumps({r["name"]: [r["state"], r["note"]] for r in npu_fsdp_patches.s
 
 
 def test_stands_down_when_the_installed_class_handles_dtensor(tmp_path):
-    site = install_fixture("te_npu_prefix", tmp_path)
+    site = tmp_path / "tenpu"  # a copy: the text of its fused_adam.py is edited below
+    shutil.copytree(require_tenpu_site(), site)
     path = site / "transformer_engine/pytorch/optimizers/fused_adam.py"
     src = path.read_text()
     out = run_python(_STATUS, paths=[site], env=_ENV).stdout
