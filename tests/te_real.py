@@ -41,8 +41,10 @@ _SHIMS = (FIXTURES / "te_real_shim", FIXTURES / "te_torch_cpu")
 # with TE#3212 (2.17), its fix 868d8d92 (2.18) and the newest (2.20).
 RELEASES = ("1.13.0", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.17.1", "2.18.0",
             "2.20.2")
-# TENPU RFC #43's NVTE comparison snapshot 42b84005 is the v2.15 tag (see the overlay's docstring).
+# TENPU RFC #43's NVTE comparison snapshot 42b84005 is the v2.15 tag (see the overlay's docstring);
+# the git blob of its transformer_engine/pytorch/optimizers/fused_adam.py, checked on the wheel's copy.
 TENPU_BASE = "2.15.0"
+TENPU_BASE_BLOB = "437dfa829eb2bb82cab7bd12a974636f3b09dffd"
 _TENPU_OVERLAY = FIXTURES / "te_npu_prefix"
 _REAL_PREFIXES = ("transformer_engine/pytorch/optimizers/", "transformer_engine/pytorch/constants.py")
 
@@ -77,6 +79,12 @@ def wheel(version: str) -> Path:
                                      f"{(proc.stderr or proc.stdout).strip()[-400:]}")
         os.replace(got, path)
     return path
+
+
+def git_blob(path: Path) -> str:
+    """The git blob id of ``path`` (``git hash-object``), to compare a wheel's file with a commit's."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def _digest(roots) -> str:
@@ -134,6 +142,10 @@ def tenpu_site() -> Path:
         shutil.copytree(te_site(TENPU_BASE), tmp, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.dist-info", "__pycache__", "*.pyc"))
         optimizers = tmp / "transformer_engine" / "pytorch" / "optimizers"
+        blob = git_blob(optimizers / "fused_adam.py")
+        if blob != TENPU_BASE_BLOB:
+            raise RuntimeError(f"TE {TENPU_BASE}'s fused_adam.py is blob {blob}, not the "
+                               f"snapshot's {TENPU_BASE_BLOB}")
         os.replace(optimizers / "fused_adam.py", optimizers / "_nvte_fused_adam.py")
         shutil.copytree(_TENPU_OVERLAY, tmp, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
