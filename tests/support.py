@@ -5,7 +5,7 @@ Fixture distributions live in ``tests/fixtures/<name>/`` laid out like a site-pa
 entry_points.txt). Tests never import them directly from the repo: ``install_fixture`` copies one
 onto a temporary path, which a subprocess then gets on ``PYTHONPATH``. A fixture may list, in a
 ``FIXTURE_INCLUDES`` file, shared fixture folders to lay down first (both hyper-parallel generations
-share their platform layer this way, both TE stand-ins their common FusedAdam).
+share their platform layer this way). TE and TENPU sites come from ``tests/te_real.py`` instead.
 """
 from __future__ import annotations
 

@@ -14,9 +14,14 @@
   as CPU kernels written from TE's ``adam.cu`` (own tests in tests/test_te_cpu_kernels.py), told
   which release's launcher to reproduce.
 
+``tenpu_site()`` returns the same for TENPU, which is not on the registry: NVTE ``TENPU_BASE``'s
+real ``fused_adam.py`` (as ``_nvte_fused_adam.py``) under the overlay ``tests/fixtures/te_npu_prefix``
+(TENPU's documented differences and its ``transformer_engine_npu`` .dist-info, which replaces NVTE's).
+
 The cache is ``$NPU_FSDP_PATCHES_TE_WHEELS``, else ``$XDG_CACHE_HOME/npu_fsdp_patches/te-wheels``,
 else ``~/.cache/npu_fsdp_patches/te-wheels``. ``require_te_site`` skips a test when a wheel cannot
-be fetched, unless ``NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1`` (CI), which turns that into a failure.
+be fetched (``require_tenpu_site`` likewise), unless ``NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1`` (CI),
+which turns that into a failure.
 """
 from __future__ import annotations
 
@@ -36,6 +41,11 @@ _SHIMS = (FIXTURES / "te_real_shim", FIXTURES / "te_torch_cpu")
 # with TE#3212 (2.17), its fix 868d8d92 (2.18) and the newest (2.20).
 RELEASES = ("1.13.0", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.17.1", "2.18.0",
             "2.20.2")
+# TENPU RFC #43's NVTE comparison snapshot 42b84005 is the v2.15 tag (see the overlay's docstring);
+# the git blob of its transformer_engine/pytorch/optimizers/fused_adam.py, checked on the wheel's copy.
+TENPU_BASE = "2.15.0"
+TENPU_BASE_BLOB = "437dfa829eb2bb82cab7bd12a974636f3b09dffd"
+_TENPU_OVERLAY = FIXTURES / "te_npu_prefix"
 _REAL_PREFIXES = ("transformer_engine/pytorch/optimizers/", "transformer_engine/pytorch/constants.py")
 
 
@@ -71,48 +81,93 @@ def wheel(version: str) -> Path:
     return path
 
 
-def _shim_digest() -> str:
+def git_blob(path: Path) -> str:
+    """The git blob id of ``path`` (``git hash-object``), to compare a wheel's file with a commit's."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _digest(roots) -> str:
     h = hashlib.sha256()
-    for root in _SHIMS:
+    for root in roots:
         for f in sorted(root.rglob("*")):
             if f.is_file() and "__pycache__" not in f.parts:
                 h.update(str(f.relative_to(root)).encode() + f.read_bytes())
     return h.hexdigest()[:12]
 
 
-def te_site(version: str) -> Path:
-    """A site folder with TE ``version``'s real optimizer sources and the CPU stand-ins."""
-    site = cache_dir() / "sites" / f"{version}-{_shim_digest()}"
+def _laid_out(site: Path, fill) -> Path:
+    """``site``, built once by ``fill(folder)`` and moved into place atomically."""
     if site.exists():
         return site
-    whl = wheel(version)
     site.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=site.parent))
-    for root in _SHIMS:
-        shutil.copytree(root, tmp, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    with zipfile.ZipFile(whl) as zf:
-        for member in zf.namelist():
-            if member.startswith(_REAL_PREFIXES) or member.split("/")[0].endswith(".dist-info"):
-                zf.extract(member, tmp)
-    release = tuple(int(x) for x in version.split(".")[:2])
-    (tmp / "transformer_engine_torch" / "_release.py").write_text(f"RELEASE = {release!r}\n")
+    prefix = site.name.rsplit("-", 1)[0]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=site.parent))
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, site)
     except OSError:  # another process built it first
         shutil.rmtree(tmp, ignore_errors=True)
-    for stale in site.parent.glob(f"{version}-*"):  # built from older stand-ins
+    for stale in site.parent.glob(f"{prefix}-*"):  # built from older stand-ins
         if stale != site:
             shutil.rmtree(stale, ignore_errors=True)
     return site
 
 
-def require_te_site(version: str) -> Path:
-    """``te_site(version)``, or skip the calling test (fail under NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1)."""
+def te_site(version: str) -> Path:
+    """A site folder with TE ``version``'s real optimizer sources and the CPU stand-ins."""
+    def fill(tmp: Path) -> None:
+        whl = wheel(version)
+        for root in _SHIMS:
+            shutil.copytree(root, tmp, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        with zipfile.ZipFile(whl) as zf:
+            for member in zf.namelist():
+                if member.startswith(_REAL_PREFIXES) or member.split("/")[0].endswith(".dist-info"):
+                    zf.extract(member, tmp)
+        release = tuple(int(x) for x in version.split(".")[:2])
+        (tmp / "transformer_engine_torch" / "_release.py").write_text(f"RELEASE = {release!r}\n")
+    return _laid_out(cache_dir() / "sites" / f"{version}-{_digest(_SHIMS)}", fill)
+
+
+def tenpu_site() -> Path:
+    """A site folder with the TENPU stand-in, derived from NVTE ``TENPU_BASE``'s real FusedAdam."""
+    def fill(tmp: Path) -> None:
+        # no NVTE .dist-info (TENPU ships its own); the CPU transformer_engine_torch module stays,
+        # as NVTE's fused_adam.py imports it, but is not a distribution of this site
+        shutil.copytree(te_site(TENPU_BASE), tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.dist-info", "__pycache__", "*.pyc"))
+        optimizers = tmp / "transformer_engine" / "pytorch" / "optimizers"
+        blob = git_blob(optimizers / "fused_adam.py")
+        if blob != TENPU_BASE_BLOB:
+            raise RuntimeError(f"TE {TENPU_BASE}'s fused_adam.py is blob {blob}, not the "
+                               f"snapshot's {TENPU_BASE_BLOB}")
+        os.replace(optimizers / "fused_adam.py", optimizers / "_nvte_fused_adam.py")
+        shutil.copytree(_TENPU_OVERLAY, tmp, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    digest = _digest((*_SHIMS, _TENPU_OVERLAY))
+    return _laid_out(cache_dir() / "sites" / f"tenpu-{TENPU_BASE}-{digest}", fill)
+
+
+def _require(build, what: str, *args) -> Path:
     import pytest
     try:
-        return te_site(version)
+        return build(*args)
     except (TeWheelUnavailable, OSError, subprocess.TimeoutExpired) as exc:
         if os.environ.get("NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS") == "1":
             raise
-        pytest.skip(f"TE {version} wheel unavailable (no registry access?): {exc}")
+        pytest.skip(f"{what} wheel unavailable (no registry access?): {exc}")
+
+
+def require_te_site(version: str) -> Path:
+    """``te_site(version)``, or skip the calling test (fail under NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1)."""
+    return _require(te_site, f"TE {version}", version)
+
+
+def require_tenpu_site() -> Path:
+    """``tenpu_site()``, or skip the calling test like ``require_te_site``."""
+    return _require(tenpu_site, f"TENPU stand-in: its base TE {TENPU_BASE}")

@@ -10,6 +10,7 @@ import pytest
 
 from npu_fsdp_patches.matrix import load_matrix
 from tests.support import REPO_ROOT, install_fixture, run_python
+from tests.te_real import require_tenpu_site
 
 pytest.importorskip("torch")
 
@@ -76,7 +77,7 @@ def _run(sites, env):
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
     root = tmp_path_factory.mktemp("stand_ins")
-    return [install_fixture("te_npu_prefix", root), install_fixture("hyper_parallel_new", root)]
+    return [require_tenpu_site(), install_fixture("hyper_parallel_new", root)]
 
 
 @pytest.fixture(scope="module")

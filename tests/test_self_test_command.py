@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from tests.support import REPO_ROOT, install_fixture, run_python
-from tests.te_real import require_te_site
+from tests.te_real import require_te_site, require_tenpu_site
 
 BASE_CHECKS = ["adamw_step", "fused_adam", "main_params", "foreach_adamw"]
 FIXTURE_CHECKS = ["te_fused_adam", "hyper_skip_dispatch"]
@@ -36,8 +36,9 @@ def by_name(report):
 
 
 def fixture_sites(tmp_path, te, hyper):
-    """The TE site (a fixture, or ``te-<version>``: that release's real sources) and a hyper fixture."""
-    te_site = require_te_site(te[3:]) if te.startswith("te-") else install_fixture(te, tmp_path)
+    """The TE site (``tenpu``: TENPU's stand-in, or ``te-<version>``: that release's real sources)
+    and a hyper fixture."""
+    te_site = require_tenpu_site() if te == "tenpu" else require_te_site(te[3:])
     return [te_site, install_fixture(hyper, tmp_path)]
 
 
@@ -60,7 +61,7 @@ def test_every_applicable_check_passes_in_the_base_env(tmp_path):
     assert "[PASS] foreach_adamw" in proc.stderr and "PASSED: 4 passed, 2 skipped (exit 0)" in proc.stderr
 
 
-@pytest.mark.parametrize("te, hyper", [("te_npu_prefix", "hyper_parallel_new"),
+@pytest.mark.parametrize("te, hyper", [("tenpu", "hyper_parallel_new"),
                                        ("te-2.11.0", "hyper_parallel_old")])
 def test_te_and_hyper_checks_pass_on_the_fixtures(tmp_path, te, hyper):
     rc, report, proc = self_test("--only", ",".join(FIXTURE_CHECKS), "--json",
@@ -74,7 +75,7 @@ def test_te_and_hyper_checks_pass_on_the_fixtures(tmp_path, te, hyper):
 
 def test_a_planted_one_ulp_bug_fails_each_check(tmp_path):
     plants = ",".join(BASE_CHECKS + FIXTURE_CHECKS)
-    rc, report, proc = self_test("--json", paths=fixture_sites(tmp_path, "te_npu_prefix", "hyper_parallel_new"),
+    rc, report, proc = self_test("--json", paths=fixture_sites(tmp_path, "tenpu", "hyper_parallel_new"),
                                  env={"NPU_FSDP_PATCHES_SELF_TEST_PLANT": plants})
     assert rc == 1, proc.stderr[-6000:]
     for name, check in by_name(report).items():

@@ -1,20 +1,20 @@
 """te_fused_adam_dtensor and te_initialize_state_compat on TE fixtures, in fresh interpreters."""
 import os
+import shutil
 
 import pytest
 
 from tests.distributed import run_ranks
-from tests.support import install_fixture, run_python
-from tests.te_real import require_te_site
+from tests.support import run_python
+from tests.te_real import require_te_site, require_tenpu_site
 
 FLAVORS = ("tenpu", "nvte211")
 _ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")}
 
 
 def _site(flavor, tmp_path):
-    """TENPU's stand-in fixture, or TE 2.11's real FusedAdam from its registry wheel."""
-    return install_fixture("te_npu_prefix", tmp_path) if flavor == "tenpu" else require_te_site(
-        "2.11.0")
+    """TENPU's stand-in (NVTE 2.15's real FusedAdam under TENPU's overlay), or TE 2.11's real one."""
+    return require_tenpu_site() if flavor == "tenpu" else require_te_site("2.11.0")
 
 
 @pytest.mark.parametrize("flavor, unpatched_error", [
@@ -77,6 +77,68 @@ def test_plain_tensor_training_is_bitwise_the_original(tmp_path, flavor):
     assert "OK" in run_python(_PLAIN_BITWISE, paths=[site], env=_ENV).stdout
 
 
+_TENPU_DERIVED = """
+import inspect, torch
+from transformer_engine.pytorch.optimizers import FusedAdam
+from transformer_engine.pytorch.optimizers import _nvte_fused_adam as nvte
+assert FusedAdam.__mro__[1] is nvte.FusedAdam
+args = lambda f: [(a.name, a.kind, a.default) for a in inspect.signature(f).parameters.values()]
+assert args(FusedAdam.__init__) == args(nvte.FusedAdam.__init__)  # RFC 3.5.2.1: NVTE's constructor
+for name in ("set_scaled_state", "state_dict", "load_state_dict", "zero_grad"):
+    assert name not in vars(FusedAdam), name  # NVTE's own code
+# the overlay: RFC 3.3.10 (signatures), 3.3.1 (unsupported options), 3.3.5 (fp16 scale), 3.3.6 (kernel)
+assert str(inspect.signature(FusedAdam.initialize_state)) == "(self, param, store_param_remainders=None) -> None"
+assert str(inspect.signature(nvte.FusedAdam.initialize_state)) == "(self, param, store_param_remainders)"
+assert "skip_unscale" in str(inspect.signature(nvte.FusedAdam.get_unscaled_state))
+assert "skip_unscale" not in str(inspect.signature(FusedAdam.get_unscaled_state))
+for kw in ({"capturable": True}, {"bias_correction": False}, {"amsgrad": True}):
+    try:
+        FusedAdam([torch.nn.Parameter(torch.ones(2))], **kw)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError(kw)
+p = torch.nn.Parameter(torch.zeros(3))
+opt = FusedAdam([p], exp_avg_dtype=torch.float16)
+opt.initialize_state(p)
+opt.set_scaled_state(p, "exp_avg", torch.zeros(3))
+assert opt._scales[p]["exp_avg"].item() == 1.0  # a zero absmax keeps the unit scale
+opt.set_scaled_state(p, "exp_avg", torch.tensor([1e-3, -2.0, 0.5]))
+assert torch.equal(opt._scales[p]["exp_avg"], torch.tensor([2.0]) / (torch.finfo(torch.float16).max / 2))
+e = torch.nn.Parameter(torch.zeros(0))
+e.grad = torch.zeros(0)
+try:
+    FusedAdam([e], exp_avg_dtype=torch.float16).step()
+except RuntimeError:
+    pass  # abs().max() of an empty state (RFC 1.2), what TENPU's fix adds a branch for
+else:
+    raise AssertionError("empty fp16 state scaled")
+gen = torch.Generator().manual_seed(0)
+a = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (33, 5)]
+b = [torch.nn.Parameter(x.detach().clone()) for x in a]
+ta = FusedAdam(a, lr=1e-2, weight_decay=0.1)
+tb = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True)
+for _ in range(4):
+    for x, y in zip(a, b):
+        x.grad = torch.randn(x.shape, generator=gen)
+        y.grad = x.grad.clone()
+    ta.step()
+    tb.step()
+for x, y in zip(a, b):  # the direct path is torch's fused AdamW kernel, bit for bit
+    assert torch.equal(x, y)
+    assert not torch.equal(x, torch.nextafter(y, torch.full_like(y, 1e9))), "1-ulp control"
+print("OK")
+"""
+
+
+def test_tenpu_stand_in_is_nvte_2_15_under_the_documented_overlay():
+    """The TENPU stand-in is NVTE 2.15.0's real class, and the overlay changes only what RFC #43
+    documents (without the plugin, so every method is the stand-in's own)."""
+    site = require_tenpu_site()
+    env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "NPU_FSDP_PATCHES": "0"}
+    assert "OK" in run_python(_TENPU_DERIVED, paths=[site], env=env).stdout
+
+
 _STATUS = """
 import json, npu_fsdp_patches
 import transformer_engine.pytorch.optimizers as o
@@ -85,7 +147,8 @@ print(json.dumps({r["name"]: [r["state"], r["note"]] for r in npu_fsdp_patches.s
 
 
 def test_stands_down_when_the_installed_class_handles_dtensor(tmp_path):
-    site = install_fixture("te_npu_prefix", tmp_path)
+    site = tmp_path / "tenpu"  # a copy: the text of its fused_adam.py is edited below
+    shutil.copytree(require_tenpu_site(), site)
     path = site / "transformer_engine/pytorch/optimizers/fused_adam.py"
     src = path.read_text()
     out = run_python(_STATUS, paths=[site], env=_ENV).stdout

@@ -7,7 +7,8 @@
 # ~/.cache/npu_fsdp_patches/te-wheels); locally a missing wheel only skips them. This step makes a
 # missing wheel a CI failure (NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1) and re-runs the cheap real-TE
 # checks under that rule, so a skipped real-TE run can never pass CI.
-# Measured (2 cores, shared): 9 wheels, 7.3 MB, 110 s cold download; < 5 s with a warm cache;
+# Measured (2 cores, shared): 10 wheels, 8.4 MB, ~117 s cold download (the TENPU stand-in's base
+# 2.15.0 and its site: 7 s of it); < 5 s with a warm cache; the TENPU overlay test: ~35 s;
 # the real-TE tests in the main suite: ~15 min on a loaded machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,10 +19,12 @@ venv=.ci/venvs/real-te
 py=$venv/bin/python
 "$py" - <<'PY'
 import time
-from tests.te_real import RELEASES, te_site
+from tests.te_real import RELEASES, TENPU_BASE, te_site, tenpu_site
 t0 = time.time()
 for v in RELEASES:
     print(v, te_site(v))
-print(f"real-te: {len(RELEASES)} sites in {time.time() - t0:.0f} s")
+print(f"tenpu (from {TENPU_BASE})", tenpu_site())
+print(f"real-te: {len(RELEASES) + 1} sites in {time.time() - t0:.0f} s")
 PY
 "$py" -m pytest -q tests/test_te_cpu_kernels.py tests/test_te_real.py -k "kernels or initialize_state"
+"$py" -m pytest -q tests/test_te_fused_adam_patch.py -k overlay
