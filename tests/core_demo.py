@@ -26,6 +26,20 @@ except Exception as exc:
 """
 
 
+#: the head of a matrix over the demo framework; ``demo_matrix`` appends the patches
+DEMO_MATRIX_HEAD = """schema_version: 1
+frameworks:
+  demo: {distributions: [demo-framework], module: demo_target}
+patches:
+"""
+
+
+def demo_matrix(path: Path, patches: str) -> Path:
+    """Write a matrix over the demo framework with the ``patches`` section body (YAML) to ``path``."""
+    path.write_text(DEMO_MATRIX_HEAD + patches)
+    return path
+
+
 def demo_env(site: Path, matrix: str = "demo_matrix.yaml", **extra: str) -> dict:
     env = {"NPU_FSDP_PATCHES_MATRIX": str(site / matrix)}
     env.update(extra)

@@ -1,21 +1,27 @@
-"""Shared test helpers: fixture distributions and fresh-interpreter runs.
+"""Shared test helpers: fixture distributions, fresh-interpreter runs, named checks, bit comparison.
 
 Fixture distributions live in ``tests/fixtures/<name>/`` laid out like a site-packages folder
 (the package plus a real ``<dist>-<version>.dist-info`` with METADATA and, where needed,
 entry_points.txt). Tests never import them directly from the repo: ``install_fixture`` copies one
 onto a temporary path, which a subprocess then gets on ``PYTHONPATH``. A fixture may list, in a
 ``FIXTURE_INCLUDES`` file, shared fixture folders to lay down first (both hyper-parallel generations
-share their platform layer this way). TE and TENPU sites come from ``tests/te_real.py`` instead.
+share their platform layer this way). TE and TENPU sites come from ``tests/te_real.py``; site fixtures for tests are in tests/conftest.py.
+
+Child code lives in importable functions: ``run_case("tests.children.x:case", args=...)`` runs one in
+a fresh interpreter (tests/distributed.py ``run_ranks`` does the same on N gloo ranks). A launch that
+checks many facts records each with ``Checks`` and returns ``checks.results``; the pytest side runs
+the launch once in a module-scoped fixture and asserts each check in its own test (``assert_check``).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -55,3 +61,101 @@ def run_python(code: str, *, paths: Iterable[Path] = (), env: dict | None = None
         raise AssertionError(f"child exited {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}"
                              f"\nstderr:\n{proc.stderr[-8000:]}")
     return proc
+
+
+def run_case(target: str, *, args: dict | None = None, paths: Iterable[Path] = (),
+             env: dict | None = None, timeout: float = 180) -> Any:
+    """Call ``target`` ("tests.module:function") with ``args`` in a fresh interpreter; return its result.
+
+    ``paths`` come first on the child's PYTHONPATH (fixture sites), then the repo root, so a case
+    module imports like any test module. The result travels back as JSON (``default=str``).
+    """
+    code = (f"import json\nfrom tests.support import _call_case\n"
+            f"print('RESULT ' + json.dumps(_call_case({target!r}, {json.dumps(args or {})!r}), default=str))")
+    proc = run_python(code, paths=[*paths, REPO_ROOT], env=env, timeout=timeout)
+    lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"{target} printed no result\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def _call_case(target: str, args_json: str) -> Any:
+    import importlib
+    module_name, func_name = target.split(":")
+    return getattr(importlib.import_module(module_name), func_name)(**json.loads(args_json))
+
+
+def make_dist(site: Path, name: str, version: str, modules: dict, top_level: str | None = None) -> None:
+    """Write a minimal installed distribution: .dist-info with METADATA plus module files."""
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in modules))
+    if top_level:
+        (info / "top_level.txt").write_text(top_level + "\n")
+    for rel, text in modules.items():
+        path = site / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+class Checks:
+    """Named checks of one launch: each runs once and records ``None`` (held) or why it failed.
+
+    Use ``checks.run(name, fn)`` or decorate with ``@checks(name)``, which runs the function at once,
+    so a check cannot be written and then forgotten. The pytest side declares the names it expects
+    and asserts each with ``assert_check``; a declared name that was never run fails there.
+    """
+
+    def __init__(self) -> None:
+        self.results: dict[str, str | None] = {}
+
+    def run(self, name: str, fn: Callable[[], None]) -> None:
+        if name in self.results:
+            raise ValueError(f"check {name!r} recorded twice")
+        try:
+            fn()
+        except Exception as exc:  # recorded, asserted by the pytest side
+            self.results[name] = f"{type(exc).__name__}: {exc}"[:2000]
+        else:
+            self.results[name] = None
+
+    def __call__(self, name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+        def decorate(fn: Callable[[], None]) -> Callable[[], None]:
+            self.run(name, fn)
+            return fn
+        return decorate
+
+
+def assert_check(results: list[dict], name: str, declared: Iterable[str]) -> None:
+    """Check ``name`` ran and held on every rank; ``results``: each rank's return value, whose
+    ``"checks"`` are its ``Checks.results``. A check a rank ran but ``declared`` lacks (so no test
+    of its own) fails too."""
+    for rank, result in enumerate(results):
+        checks = result["checks"]
+        assert name in checks, f"rank {rank}: check {name!r} was never run"
+        assert checks[name] is None, f"rank {rank}: {name}: {checks[name]}"
+        undeclared = sorted(set(checks) - set(declared))
+        assert not undeclared, f"rank {rank}: checks without a test of their own: {undeclared}"
+
+
+def bit_mismatches(a, b) -> tuple[int, str]:
+    """Elements of tensors ``a`` and ``b`` whose bits differ, and the first one described.
+
+    NaN-safe (compares bit patterns); a DTensor is compared as its full tensor (a collective, so
+    every rank must call this); a shape or dtype difference counts every element. ``(0, "")`` means
+    bitwise equal.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+    a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return (max(a.numel(), b.numel(), 1),
+                f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}")
+    int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    differ = a.reshape(-1).view(int_type) != b.reshape(-1).view(int_type)
+    count = int(differ.sum())
+    if count == 0:
+        return 0, ""
+    i = int(differ.nonzero()[0])
+    return count, f"flat index {i}: {a.reshape(-1)[i].item()!r} vs {b.reshape(-1)[i].item()!r}"

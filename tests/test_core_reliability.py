@@ -3,9 +3,8 @@ import json
 
 import pytest
 
-from tests.core_demo import run_demo
-from tests.support import install_fixture, run_python
-from tests.test_detect import make_dist
+from tests.core_demo import demo_matrix, run_demo
+from tests.support import make_dist, run_python
 
 FAILING = "demo_matrix_failing.yaml"
 STATES = "emit(states={n: [r['state'], r['error']] for n, r in records().items()}, greet=demo_target.greet('x'), " \
@@ -61,13 +60,8 @@ emit(error=error, state=records()["demo_gated_off"]["state"], greet=demo_target.
     assert result["state"] == "failed" and result["greet"] == "hello x!"
 
 
-def test_a_patch_inside_an_object_another_patch_replaced_fails_naming_it(tmp_path):
-    site = install_fixture("core_demo", tmp_path)
-    matrix = tmp_path / "overlap.yaml"
-    matrix.write_text("""schema_version: 1
-frameworks:
-  demo: {distributions: [demo-framework], module: demo_target}
-patches:
+def test_a_patch_inside_an_object_another_patch_replaced_fails_naming_it(tmp_path, demo_site):
+    matrix = demo_matrix(tmp_path / "overlap.yaml", """\
   demo_absent:
     summary: replaces the whole Engine class (demo_patches.Shout returns a function for it)
     targets: ["demo_target:Engine"]
@@ -84,7 +78,7 @@ patches:
     assert result["states"]["demo_shout"] == [
         "failed", "demo_target:Engine.run overlaps demo_target:Engine, which is already patched by demo_absent; "
                   "two patches cannot change the same object"]
-    assert site.exists()
+    assert demo_site.exists()
 
 
 def _entry_point_dist(site, name, version, entries):
@@ -93,10 +87,10 @@ def _entry_point_dist(site, name, version, entries):
         "[npu_fsdp_patches.patches]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
 
 
-def test_builtin_patch_names_cannot_be_hijacked_and_conflicts_name_both_distributions(tmp_path):
+def test_builtin_patch_names_cannot_be_hijacked_and_conflicts_name_both_distributions(tmp_path, demo_site):
     hostile = tmp_path / "hostile"
     _entry_point_dist(hostile, "megatron_extras", "1.0", {"hp_skip_dispatch_adamw": "megatron_extras:Hijack"})
-    site = install_fixture("core_demo", tmp_path)
+    site = demo_site
     code = """
 import json, logging
 logging.basicConfig(format="LOG %(levelname)s %(message)s")
@@ -127,11 +121,7 @@ emit(shout=[records()["demo_shout"][k] for k in ("state", "error")], child=recor
 
 
 def test_status_has_no_stale_refs_for_copies_patched_in_the_same_activation(tmp_path):
-    matrix = tmp_path / "copies.yaml"
-    matrix.write_text("""schema_version: 1
-frameworks:
-  demo: {distributions: [demo-framework], module: demo_target}
-patches:
+    matrix = demo_matrix(tmp_path / "copies.yaml", """\
   demo_shout:
     summary: greet and its from-import copy in demo_target.extra
     targets: ["demo_target:greet", "demo_target.extra:greet?"]
@@ -152,9 +142,9 @@ emit(refs=r["stale_refs"], before=r["imported_before_activation"], copy=demo_tar
                                   "npu_fsdp_patches activated; no module holds a stale reference"]
 
 
-def test_import_torch_with_hyper_parallel_lists_no_stale_refs(tmp_path):
+def test_import_torch_with_hyper_parallel_lists_no_stale_refs(hyper_site):
     pytest.importorskip("torch")
-    site = install_fixture("hyper_parallel_new", tmp_path)
+    site = hyper_site
     proc = run_python("""
 import json, sys, torch
 import npu_fsdp_patches

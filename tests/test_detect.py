@@ -2,21 +2,7 @@
 import json
 from pathlib import Path
 
-from tests.support import run_python
-
-
-def make_dist(site: Path, name: str, version: str, modules: dict, top_level: str | None = None) -> None:
-    """Write a minimal installed distribution: .dist-info with METADATA plus module files."""
-    info = site / f"{name}-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in modules))
-    if top_level:
-        (info / "top_level.txt").write_text(top_level + "\n")
-    for rel, text in modules.items():
-        path = site / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+from tests.support import make_dist, run_python
 
 
 DETECT = """

@@ -4,8 +4,7 @@ import subprocess
 import sys
 
 from tests.core_demo import demo_env
-from tests.support import install_fixture, run_python
-from tests.test_detect import make_dist
+from tests.support import install_fixture, make_dist, run_python
 
 
 def cli(tmp_path, *args, matrix="demo_matrix.yaml", extra_paths=(), **env):
@@ -65,7 +64,7 @@ def test_doctor_text_fits_100_columns_with_one_line_per_patch(tmp_path):
     assert lines[-1] == "Summary: 2 disabled, 2 pending; exit code 0"
 
 
-def test_doctor_warns_unverified_and_stale_references(tmp_path):
+def test_doctor_warns_unverified_and_stale_references(demo_site):
     code = """
 import demo_target, demo_target.extra
 import npu_fsdp_patches
@@ -73,8 +72,7 @@ npu_fsdp_patches.apply("demo_child")
 from npu_fsdp_patches.doctor import collect
 import json; print(json.dumps(collect()["warnings"]))
 """
-    site = install_fixture("core_demo", tmp_path)
-    proc = run_python(code, paths=[site], env=demo_env(site))
+    proc = run_python(code, paths=[demo_site], env=demo_env(demo_site))
     warnings = json.loads(proc.stdout.splitlines()[-1])
     assert "demo_shout: demo_target was imported before npu_fsdp_patches activated; stale references " \
            "to the unpatched objects in: demo_target.extra" in warnings
@@ -150,14 +148,14 @@ def test_explain_and_list(tmp_path):
                                                    ["demo_gated_off", "disabled"], ["demo_absent", "disabled"]]
 
 
-def test_python_dash_m_entry(tmp_path):
-    site = install_fixture("core_demo", tmp_path)
+def test_python_dash_m_entry(demo_site):
+    site = demo_site
     proc = subprocess.run([sys.executable, "-m", "npu_fsdp_patches", "list"], capture_output=True, text=True,
                           env={**demo_env(site), "PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("demo_shout")
 
 
-def test_doctor_self_test_passes_and_a_broken_step_gives_exit_1(tmp_path):
+def test_doctor_self_test_passes_and_a_broken_step_gives_exit_1(demo_site):
     code = """
 import json, sys
 from npu_fsdp_patches.cli import main
@@ -167,7 +165,7 @@ if {broken}:
 rc = main(["doctor", "--json", "--self-test"])
 print("RC", rc)
 """
-    site = install_fixture("core_demo", tmp_path)
+    site = demo_site
     for broken, expected in ((False, 0), (True, 1)):
         proc = run_python(code.format(broken=broken), paths=[site], env=demo_env(site))
         rc_line = proc.stdout.strip().splitlines()[-1]

@@ -11,7 +11,7 @@ import torch.optim.adamw as torch_adamw
 
 from npu_fsdp_patches.optim import foreach_adamw_step
 from npu_fsdp_patches.optim.foreach_adamw import torch_dtensor_implementation
-from tests.multirank.foreach_adamw_cases import bit_mismatches
+from tests.support import bit_mismatches
 from tests.torch_versions import needs_adam_decoupled_weight_decay
 
 

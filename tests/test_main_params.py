@@ -11,42 +11,9 @@ from torch import nn
 
 from npu_fsdp_patches.optim import (Float16OptimizerWithFloat16Params, MainParamsOptimizer,
                                     apply_model_init_dtype, validate_fp32_main_params_config)
-from npu_fsdp_patches.optim.muon_routing import (OptimizerChain, build_muon_adamw, is_muon_param,
-                                                 split_muon_adamw_params)
+from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, is_muon_param
+from tests.main_params_model import Net, backward, make
 from tests.torch_versions import HAS_MUON, needs_muon
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(6, 4)
-        self.body = nn.Linear(4, 5)
-        self.lm_head = nn.Linear(5, 6, bias=False)
-        self.register_buffer("steps", torch.zeros(2, dtype=torch.int32))
-        self.register_buffer("mask", torch.ones(2, dtype=torch.bool))
-        self.register_buffer("scale", torch.ones(4))
-
-    def forward(self, ids):
-        return self.lm_head(torch.tanh(self.body(self.embed(ids) * self.scale)))
-
-
-def make(dtype=torch.bfloat16, seed=0):
-    """Muon + AdamW by the routing rule. Without torch.optim.Muon (torch < 2.9) the Muon-routed
-    params get a momentum SGD, which keeps a ``momentum_buffer`` state as Muon does."""
-    torch.manual_seed(seed)
-    model = apply_model_init_dtype(Net(), dtype)
-    if HAS_MUON:
-        chain = build_muon_adamw(model, muon_kwargs={"lr": 0.02}, adamw_kwargs={"lr": 1e-3})
-    else:
-        muon, adamw = split_muon_adamw_params(model.named_parameters())
-        chain = OptimizerChain({"adamw": torch.optim.AdamW(adamw, lr=1e-3),
-                                "muon": torch.optim.SGD(muon, lr=0.02, momentum=0.95)})
-    return model, chain, MainParamsOptimizer(chain, model)
-
-
-def backward(model, seed=0):
-    ids = torch.randint(0, 6, (3, 4), generator=torch.Generator().manual_seed(seed))
-    model(ids).float().pow(2).mean().backward()
 
 
 @needs_muon

@@ -1,7 +1,7 @@
 """MainParamsOptimizer on hyper-parallel DTensor params (docs/design.md#43-hp_fp32_main_params), against the stand-in
 tests/fixtures/hyper_parallel_new (docs/hyper_parallel.md#43-task-3-main_grad, #44-task-4-hyper-dtensor-api).
 
-One fresh interpreter, one process, mesh (1,): every model param is a hyper DTensor registered as a
+One fresh interpreter (rank code: tests/children/main_params_hyper.py), one process, mesh (1,): every model param is a hyper DTensor registered as a
 parameter; ops on it fail outside ``SkipDTensorDispatch``. The wrapper is built, fed grads and
 zeroed outside that context; the step runs inside it, as hyper's trainer runs it. Each step is
 compared bit for bit with the same wrapper over plain tensors holding the same local values.
@@ -14,178 +14,11 @@ Params, grads and groups (the hyper side; the plain side mirrors it with plain t
 ``w``/``b``/``c`` use lr 1e-4: three AdamW steps move them by ~3e-4, under half a bf16 ulp of
 values in [0.5, 1.5), so only an fp32 main param can hold the update.
 """
-import json
-
-from tests.support import install_fixture, run_python
-
-CHILD = r"""
-import json, tempfile
-import torch
-from torch import nn
-import hyper_parallel as hp
-from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
-from npu_fsdp_patches.optim import MainParamsOptimizer, load_checkpoint, save_checkpoint
-from npu_fsdp_patches.optim._tensors import local_tensor
-
-MESH = hp.init_device_mesh("cpu", (1,))
-gen = torch.Generator().manual_seed(0)
-SPECS = {  # name: (initial local value, placements)
-    "w": ((torch.rand(8, 4, generator=gen) + 0.5).to(torch.bfloat16), (Shard(0),)),
-    "b": ((torch.rand(4, generator=gen) + 0.5).to(torch.bfloat16), (Replicate(),)),
-    "c": (torch.rand(4, generator=gen) + 0.5, (Replicate(),)),
-    "u": ((torch.rand(6, 4, generator=gen) + 0.5).to(torch.bfloat16), (Shard(0),)),
-}
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+from tests.support import run_case
 
 
-def same(a, b):
-    a, b = local_tensor(a), local_tensor(b)
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
-
-
-def hyper_param(value, placements):
-    local = value.clone().requires_grad_(True)
-    p = hp.DTensor.from_local(local, MESH, placements)
-    p._is_param = True   # what hyper's fully_shard params satisfy (docs/hyper_parallel.md#44-task-4-hyper-dtensor-api)
-    return p
-
-
-def build(hyper, values, adamw_kwargs):
-    model = nn.Module()
-    for name, (value, placements) in SPECS.items():
-        value = values.get(name, value)
-        setattr(model, name, hyper_param(value, placements) if hyper else nn.Parameter(value.clone()))
-    groups = [{"params": [model.w, model.b, model.c]}, {"params": [model.u], "lr": 1e-2}]
-    return model, MainParamsOptimizer(torch.optim.AdamW(groups, lr=1e-4, **adamw_kwargs), model)
-
-
-def set_grads(model, hyper, step):
-    g = torch.Generator().manual_seed(100 + step)
-    for name, value, kind in (("w", SPECS["w"][0], "main"), ("b", SPECS["b"][0], "grad"),
-                              ("c", SPECS["c"][0], "main"), ("u", SPECS["u"][0], "main")):
-        grad = torch.randn(value.shape, generator=g) * 1e-3    # below one bf16 ulp of the params
-        p = getattr(model, name)
-        if kind == "grad":
-            grad = grad.to(torch.bfloat16)
-        if hyper:
-            grad = hp.DTensor.from_local(grad, MESH, p.placements)
-        setattr(p, "main_grad" if kind == "main" else "grad", grad)
-
-
-def compare(hm, pm):
-    bad = []
-    for name in SPECS:
-        hp_, pp = getattr(hm, name), getattr(pm, name)
-        if not same(hp_.main_param, pp.main_param):
-            bad.append(name + ".main_param")
-        if not same(hp_, pp):
-            bad.append(name)
-        if not same(hp_, local_tensor(hp_.main_param).to(hp_.dtype)):
-            bad.append(name + " != main_param.to(dtype)")
-    return bad
-
-
-def run(adamw_kwargs):
-    out = {"mismatch": [], "alias": [], "layout": [], "zeroed": []}
-    hm, ho = build(True, {}, adamw_kwargs)
-    pm, po = build(False, {}, adamw_kwargs)
-    for name in SPECS:
-        p = getattr(hm, name)
-        main = p.main_param
-        if p.dtype == torch.float32:
-            ok = main is p
-        else:
-            ok = (type(main) is type(p) and main.dtype == torch.float32
-                  and isinstance(main, nn.Parameter) and main.requires_grad and main.is_leaf
-                  and main.device_mesh is p.device_mesh and main.placements == p.placements
-                  and tuple(main.shape) == tuple(p.shape)
-                  and local_tensor(main).untyped_storage().data_ptr()
-                  != local_tensor(p).untyped_storage().data_ptr()
-                  and same(main, local_tensor(p).float()))
-        if not ok:
-            out["layout"].append(name)
-    out["groups_hold_mains"] = ([id(q) for g in ho.param_groups for q in g["params"]]
-                                == [id(getattr(hm, n).main_param) for n in ("w", "b", "c", "u")])
-
-    for step in range(3):
-        set_grads(hm, True, step)
-        set_grads(pm, False, step)
-        if step == 1:          # prepare_grads outside the context, only the step inside
-            ho.prepare_grads()
-            with hp.SkipDTensorDispatch():
-                ho.step_with_ready_grads()
-        else:                  # hyper's trainer: the whole wrapper step inside the context
-            with hp.SkipDTensorDispatch():
-                ho.step()
-        po.step()
-        w_main_grad = local_tensor(hm.w.main_param.grad)
-        out["alias"].append({
-            "w_main_grad_no_copy": w_main_grad is hm.w.main_grad.to_local(),
-            "w_grad_none": hm.w.grad is None,
-            "b_main_grad_fp32": local_tensor(hm.b.main_param.grad).dtype == torch.float32,
-            "b_grad_cleared": hm.b.grad is None,
-            "c_grad_is_main_grad": local_tensor(hm.c.grad) is hm.c.main_grad.to_local(),
-        })
-        out["mismatch"].append(compare(hm, pm))
-        set_to_none = step != 1
-        ho.zero_grad(set_to_none=set_to_none)
-        po.zero_grad(set_to_none=set_to_none)
-        if set_to_none:
-            zeroed = hm.w.main_grad is None and hm.w.main_param.grad is None and hm.b.main_param.grad is None
-        else:
-            zeroed = (not hm.w.main_grad.to_local().any() and not local_tensor(hm.w.main_param.grad).any()
-                      and not local_tensor(hm.b.main_param.grad).any())
-        out["zeroed"].append(zeroed)
-
-    # fp32 tails: bf16 cannot hold the small-lr params' main values, and their bf16 params never moved
-    out["tails"] = {n: bool((local_tensor(getattr(hm, n).main_param)
-                             != local_tensor(getattr(hm, n)).float()).all()) for n in ("w", "b")}
-    out["small_lr_bf16_unmoved"] = all(same(getattr(hm, n), SPECS[n][0]) for n in ("w", "b"))
-    out["large_lr_bf16_moved"] = not same(hm.u, SPECS["u"][0])
-    # negative controls: one ulp off in one element is caught, in fp32 and in bf16
-    for name, t in (("fp32", local_tensor(hm.w.main_param)), ("bf16", local_tensor(hm.w))):
-        bits = t.detach().clone().view(BITS[t.dtype])
-        bits.view(-1)[3] += 1
-        out["ulp_caught_" + name] = not same(t, bits.view(t.dtype))
-
-    # in-memory state dict round trip, outside the context
-    sd = ho.state_dict()
-    section = sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"]
-    out["sd_keys"] = [sorted(sd["state"]), sorted(section)]
-    out["sd_section_is_mains"] = all(section[n] is getattr(hm, n).main_param for n in section)
-    fresh, fo = build(True, {n: local_tensor(getattr(hm, n)).detach().clone() for n in SPECS}, adamw_kwargs)
-    fo.load_state_dict(sd)
-    out["loaded_mains_exact"] = all(same(getattr(fresh, n).main_param, getattr(hm, n).main_param) for n in SPECS)
-    set_grads(fresh, True, 3)
-    set_grads(pm, False, 3)
-    with hp.SkipDTensorDispatch():
-        fo.step()
-    po.step()
-    out["after_load_mismatch"] = compare(fresh, pm)
-
-    # DCP does not know hyper DTensors: refused before anything is written or read
-    errors = []
-    ckpt = tempfile.mkdtemp()
-    for call in (lambda: save_checkpoint(ckpt, hm, ho), lambda: load_checkpoint(ckpt, hm, ho)):
-        try:
-            call()
-            errors.append(None)
-        except TypeError as exc:
-            errors.append(str(exc))
-    out["dcp_errors"] = errors
-    out["dcp_dir_empty"] = not any(__import__("os").scandir(ckpt))
-    return out
-
-
-print("RESULT" + json.dumps({"foreach_default": run({}), "foreach_true": run({"foreach": True})}))
-"""
-
-
-def test_main_params_on_hyper_dtensors(tmp_path):
-    site = install_fixture("hyper_parallel_new", tmp_path)
-    proc = run_python(CHILD, paths=[site], timeout=180)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-    results = json.loads(line[len("RESULT"):])
+def test_main_params_on_hyper_dtensors(hyper_site):
+    results = run_case("tests.children.main_params_hyper:variants", paths=[hyper_site], timeout=180)
     for variant, out in results.items():
         where = f"AdamW {variant}"
         assert out["layout"] == [], f"{where}: bad main param layout for {out['layout']}"

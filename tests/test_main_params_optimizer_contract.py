@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from npu_fsdp_patches.optim import MainParamsOptimizer, apply_model_init_dtype
 from npu_fsdp_patches.optim.muon_routing import build_muon_adamw
-from tests.test_main_params import Net, backward, make
+from tests.main_params_model import Net, backward, make
 
 
 def test_wrapper_sets_up_everything_optimizer_init_does():

@@ -61,14 +61,21 @@ def test_shipped_matrix_is_valid_and_lists_the_seven_patches():
         assert spec.summary and spec.facts and spec.upstream and spec.verified, spec.name
 
 
-def test_broken_matrix_leaves_the_plugin_inactive_and_the_import_working(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(GOOD.replace(">=1.0", "~~1"))
+def _import_survives(tmp_path, name: str, text: str):
+    """Import the plugin and demo_target under the matrix ``text`` (written to ``name``): nothing is
+    patched and the import works. Returns the matrix path and the child process."""
+    bad = tmp_path / name
+    bad.write_text(text)
     result, proc = run_demo(tmp_path, """
 import npu_fsdp_patches, demo_target
 emit(status=npu_fsdp_patches.status(), greet=demo_target.greet("x"))
-""", NPU_FSDP_PATCHES_MATRIX=str(bad))
+""", NPU_FSDP_PATCHES_MATRIX=str(bad))   # run_python's timeout fails the test if loading hangs
     assert result == {"status": [], "greet": "hello x"}
+    return bad, proc
+
+
+def test_broken_matrix_leaves_the_plugin_inactive_and_the_import_working(tmp_path):
+    bad, proc = _import_survives(tmp_path, "bad.yaml", GOOD.replace(">=1.0", "~~1"))
     assert f"{bad}:9 at patches.p1.gate[0].demo.version: bad PEP 440 specifier '~~1'" in proc.stderr
 
 
@@ -128,23 +135,11 @@ ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("# pad\n" * 200_000, "larger than 1048576 bytes"),
 ])
 def test_hostile_matrix_is_rejected_quickly_and_the_import_survives(tmp_path, body, fragment):
-    bad = tmp_path / "hostile.yaml"
-    bad.write_text(body)
-    result, proc = run_demo(tmp_path, """
-import npu_fsdp_patches, demo_target
-emit(status=npu_fsdp_patches.status(), greet=demo_target.greet("x"))
-""", NPU_FSDP_PATCHES_MATRIX=str(bad))   # run_python's timeout fails the test if expansion hangs
-    assert result == {"status": [], "greet": "hello x"}
+    bad, proc = _import_survives(tmp_path, "hostile.yaml", body)
     assert str(bad) in proc.stderr and fragment in proc.stderr
 
 
 def test_wrongly_typed_matrix_leaves_the_import_working(tmp_path):
-    bad = tmp_path / "typed.yaml"
-    bad.write_text(GOOD.replace("module: demo_target", "module: [x]"))
-    result, proc = run_demo(tmp_path, """
-import npu_fsdp_patches, demo_target
-emit(status=npu_fsdp_patches.status(), greet=demo_target.greet("x"))
-""", NPU_FSDP_PATCHES_MATRIX=str(bad))
-    assert result == {"status": [], "greet": "hello x"}
+    bad, proc = _import_survives(tmp_path, "typed.yaml", GOOD.replace("module: demo_target", "module: [x]"))
     assert f"{bad}:3 at frameworks.demo.module: expected a string" in proc.stderr
     assert "Traceback" not in proc.stderr

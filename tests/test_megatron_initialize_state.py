@@ -20,85 +20,44 @@ So the test runs Megatron's own factory ``_get_megatron_optimizer_based_on_param
 validated precision-aware config (distributed flag cleared after validation): Megatron builds the TE
 FusedAdam with its own kwargs and defines ``init_state_fn``, then stops at the CUDA tensor of
 FP32Optimizer. The test takes Megatron's ``init_state_fn`` and optimizer from that frame and calls
-``init_state_fn(opt, config)`` exactly as ``sharded_state_dict(is_loading=True)`` would.
+``init_state_fn(opt, config)`` exactly as ``sharded_state_dict(is_loading=True)`` would. That driver
+is shared with the megatron-core 0.19 client test: tests/multirank/megatron_py312_cases.py.
 """
-import json
 import os
 
 import pytest
 
-from tests.support import run_python
+from tests.support import run_case
 from tests.te_real import require_te_site
 
 pytest.importorskip("megatron.core.package_info")
 
-_DRIVE = r"""
-import importlib, json, os, sys, warnings
-warnings.simplefilter("ignore")
-import torch, npu_fsdp_patches
-fixture = [p for p in sys.path if p == os.environ["TE_SITE"]]
-saved = list(sys.path)
-sys.path[:] = [p for p in sys.path if p not in fixture]
-import megatron.core
-sys.path[:] = saved
-importlib.invalidate_caches()
-import megatron.core.optimizer as mco
-mco = importlib.reload(mco)
-import megatron.core.package_info as info
-assert info.__version__ == "0.16.1", info.__version__
-assert mco.USING_PYTORCH_OPTIMIZER is False and mco.Adam.__module__.startswith("transformer_engine")
 
-cfg = mco.OptimizerConfig(optimizer="adam", lr=1e-3, use_precision_aware_optimizer=True,
-                          use_distributed_optimizer=True)
-cfg.use_distributed_optimizer = False  # see the module docstring: the CPU-reachable factory branch
-model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).bfloat16())
-groups = [{"params": list(model.parameters()), "wd_mult": 1.0, "lr_mult": 1.0,
-           "is_expert_parallel": False, "is_decoupled_lr": False}]
-try:
-    mco._get_megatron_optimizer_based_on_param_groups(cfg, [model], groups)
-except (AssertionError, RuntimeError) as exc:
-    # CPU wheel: AssertionError "Torch not compiled with CUDA enabled"; CUDA wheel with no GPU
-    # visible: RuntimeError "Found no NVIDIA driver ..." / "No CUDA GPUs are available"
-    assert any(text in str(exc) for text in ("CUDA", "NVIDIA driver")), exc
-    tb = exc.__traceback__
-    while tb.tb_frame.f_code.co_name != "_get_megatron_optimizer_based_on_param_groups":
-        tb = tb.tb_next
-    frame = tb.tb_frame.f_locals
-else:
-    raise AssertionError("FP32Optimizer built without CUDA: drive sharded_state_dict instead")
-opt, init_state_fn = frame["optimizer"], frame["init_state_fn"]
-assert init_state_fn.__module__ == "megatron.core.optimizer", init_state_fn.__module__
-assert type(opt) is mco.Adam and opt.store_param_remainders and opt.master_weights
-result = {"patch": {r["name"]: r["state"] for r in npu_fsdp_patches.status()}["te_initialize_state_compat"]}
-try:
-    init_state_fn(opt, cfg)
-except TypeError as exc:
-    result["error"] = str(exc)
-else:
-    result["states"] = {n: {k: str(v.dtype) for k, v in opt.state[p].items()}
-                        for n, p in model.named_parameters()}
-print("RESULT" + json.dumps(result))
-"""
-
-
-def _drive(tmp_path, env):
+def _drive(env):
     site = require_te_site("2.11.0")
     env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1"),
-           "TE_SITE": str(site),
            "CUDA_VISIBLE_DEVICES": "",   # CUDA wheels too: Megatron's constructors stop at the CUDA tensor
            **env}
-    out = run_python(_DRIVE, paths=[site], env=env, timeout=300).stdout
-    return json.loads(out.split("RESULT", 1)[1])
+    result = run_case("tests.multirank.megatron_py312_cases:init_state_fn_result", paths=[site], env=env,
+                      args={"te_site": str(site)}, timeout=300)
+    assert result["megatron"] == "0.16.1", result["megatron"]
+    assert result["master_weights"] and result["store_param_remainders"], result
+    # CPU wheel: AssertionError "Torch not compiled with CUDA enabled"; CUDA wheel with no GPU
+    # visible: RuntimeError "Found no NVIDIA driver ..." / "No CUDA GPUs are available"
+    stop = result["factory_stop"]
+    assert stop.startswith(("AssertionError", "RuntimeError")), stop
+    assert any(text in stop for text in ("CUDA", "NVIDIA driver")), stop
+    return result
 
 
-def test_megatron_init_state_fn_fails_without_the_patch(tmp_path):
-    result = _drive(tmp_path, {"NPU_FSDP_PATCHES_DISABLE": "te_initialize_state_compat"})
+def test_megatron_init_state_fn_fails_without_the_patch():
+    result = _drive({"NPU_FSDP_PATCHES_DISABLE": "te_initialize_state_compat"})
     assert result["patch"] == "disabled"
     assert "store_param_remainders" in result["error"]
 
 
-def test_megatron_init_state_fn_works_with_the_patch(tmp_path):
-    result = _drive(tmp_path, {})
+def test_megatron_init_state_fn_works_with_the_patch():
+    result = _drive({})
     assert result["patch"] == "applied"
     states = result["states"]
     assert states["0.weight"] == {"exp_avg": "torch.float32", "exp_avg_sq": "torch.float32",

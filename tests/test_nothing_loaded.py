@@ -2,76 +2,24 @@
 of every shipped patch is the framework's own code and training is bitwise what it is with no plugin.
 
 The TENPU and hyper-parallel stand-ins are on the path, so without the switches all patches would be
-enabled; the positive control shows the same check does see patched targets then.
+enabled; the positive control shows the same check does see patched targets then. Child code:
+tests/children/nothing_loaded.py.
 """
-import json
-
 import pytest
 
 from npu_fsdp_patches.matrix import load_matrix
-from tests.support import REPO_ROOT, install_fixture, run_python
+from tests.support import REPO_ROOT, install_fixture, run_case
 from tests.te_real import require_tenpu_site
 
 pytest.importorskip("torch")
-
-CHILD = """
-import hashlib, importlib, json, os, sys
-import torch
-import transformer_engine.pytorch.optimizers.fused_adam as te_fused_adam
-import hyper_parallel.trainer.base, hyper_parallel.core.dtensor.dtensor  # every target module imported
-TARGETS, PLUGIN_DIRS = __TARGETS__, tuple(__PLUGIN_DIRS__)
-
-def resolve(symbol):   # no plugin import here: the baseline run must never load it
-    module, qualname = symbol.split(":")
-    owner = importlib.import_module(module)
-    *path, attr = qualname.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    for klass in getattr(owner, "__mro__", ()):
-        if attr in vars(klass):
-            return vars(klass)[attr]
-    return getattr(owner, attr)
-
-ours = []
-for symbol in TARGETS:
-    try:
-        obj = resolve(symbol)
-    except (ImportError, AttributeError):
-        continue
-    for _ in range(8):   # follow functools.wraps chains (torch's step hook)
-        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-        if code is not None and code.co_filename.startswith(PLUGIN_DIRS):
-            ours.append(symbol)
-            break
-        obj = getattr(obj, "__wrapped__", None)
-        if obj is None:
-            break
-
-torch.manual_seed(0)
-digest = hashlib.sha256()
-for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
-             lambda ps: te_fused_adam.FusedAdam(ps, lr=1e-2, weight_decay=0.01)):
-    model = torch.nn.Linear(16, 8)
-    opt = make(model.parameters())
-    for step in range(3):
-        model(torch.randn(4, 16)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    for p in model.parameters():
-        digest.update(p.detach().numpy().tobytes())
-print("RESULT " + json.dumps({"ours": ours, "digest": digest.hexdigest(),
-                              "plugin_loaded_by_torch": "npu_fsdp_patches" in sys.modules}))
-"""
-
 
 TARGETS = [t.symbol for spec in load_matrix().patches.values() for t in spec.targets]
 PLUGIN_DIRS = [str(REPO_ROOT / "npu_fsdp_patches") + "/", str(REPO_ROOT / "patches") + "/"]
 
 
 def _run(sites, env):
-    code = CHILD.replace("__TARGETS__", repr(TARGETS)).replace("__PLUGIN_DIRS__", repr(PLUGIN_DIRS))
-    proc = run_python(code, paths=sites, env=env, timeout=240)
-    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("RESULT ")][-1][7:])
+    return run_case("tests.children.nothing_loaded:scan", paths=sites, env=env, timeout=240,
+                    args={"targets": TARGETS, "plugin_dirs": PLUGIN_DIRS})
 
 
 @pytest.fixture(scope="module")

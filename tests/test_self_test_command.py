@@ -14,8 +14,7 @@ import uuid
 
 import pytest
 
-from tests.support import REPO_ROOT, install_fixture, run_python
-from tests.te_real import require_te_site, require_tenpu_site
+from tests.support import REPO_ROOT, run_python
 
 BASE_CHECKS = ["adamw_step", "fused_adam", "main_params", "foreach_adamw"]
 FIXTURE_CHECKS = ["te_fused_adam", "hyper_skip_dispatch"]
@@ -35,11 +34,14 @@ def by_name(report):
     return {c["name"]: c for c in report["checks"]}
 
 
-def fixture_sites(tmp_path, te, hyper):
-    """The TE site (``tenpu``: TENPU's stand-in, or ``te-<version>``: that release's real sources)
-    and a hyper fixture."""
-    te_site = require_tenpu_site() if te == "tenpu" else require_te_site(te[3:])
-    return [te_site, install_fixture(hyper, tmp_path)]
+@pytest.fixture
+def stack_sites(request, fixture_site, te_site):
+    """``stack_sites(te, hyper)``: the TE site (``tenpu``: TENPU's stand-in, or ``te-<version>``: that
+    release's real sources) and a hyper fixture."""
+    def sites(te, hyper):
+        te_path = te_site(te[3:]) if te.startswith("te-") else request.getfixturevalue("tenpu_site")
+        return [te_path, fixture_site(hyper)]
+    return sites
 
 
 def test_every_applicable_check_passes_in_the_base_env(tmp_path):
@@ -63,9 +65,9 @@ def test_every_applicable_check_passes_in_the_base_env(tmp_path):
 
 @pytest.mark.parametrize("te, hyper", [("tenpu", "hyper_parallel_new"),
                                        ("te-2.11.0", "hyper_parallel_old")])
-def test_te_and_hyper_checks_pass_on_the_fixtures(tmp_path, te, hyper):
+def test_te_and_hyper_checks_pass_on_the_fixtures(stack_sites, te, hyper):
     rc, report, proc = self_test("--only", ",".join(FIXTURE_CHECKS), "--json",
-                                 paths=fixture_sites(tmp_path, te, hyper))
+                                 paths=stack_sites(te, hyper))
     assert rc == 0, proc.stderr[-6000:]
     checks = by_name(report)
     assert [checks[n]["status"] for n in FIXTURE_CHECKS] == ["passed", "passed"], report["checks"]
@@ -73,9 +75,9 @@ def test_te_and_hyper_checks_pass_on_the_fixtures(tmp_path, te, hyper):
     assert set(report["versions"]["frameworks"]) >= {"transformer_engine", "hyper_parallel"}
 
 
-def test_a_planted_one_ulp_bug_fails_each_check(tmp_path):
+def test_a_planted_one_ulp_bug_fails_each_check(tenpu_site, hyper_site):
     plants = ",".join(BASE_CHECKS + FIXTURE_CHECKS)
-    rc, report, proc = self_test("--json", paths=fixture_sites(tmp_path, "tenpu", "hyper_parallel_new"),
+    rc, report, proc = self_test("--json", paths=[tenpu_site, hyper_site],
                                  env={"NPU_FSDP_PATCHES_SELF_TEST_PLANT": plants})
     assert rc == 1, proc.stderr[-6000:]
     for name, check in by_name(report).items():

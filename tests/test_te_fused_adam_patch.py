@@ -5,7 +5,8 @@ import shutil
 import pytest
 
 from tests.distributed import run_ranks
-from tests.support import run_python
+from tests.multirank import te_fused_adam_cases
+from tests.support import assert_check, run_python
 from tests.te_real import require_te_site, require_tenpu_site
 
 FLAVORS = ("tenpu", "nvte211")
@@ -17,18 +18,31 @@ def _site(flavor, tmp_path):
     return require_tenpu_site() if flavor == "tenpu" else require_te_site("2.11.0")
 
 
-@pytest.mark.parametrize("flavor, unpatched_error", [
-    ("tenpu", "NotImplementedError: FusedAdam on NPU does not support DTensor"),
+UNPATCHED_ERRORS = {
+    "tenpu": "NotImplementedError: FusedAdam on NPU does not support DTensor",
     # real 2.10/2.11 train fp32 DTensors silently with global-shape plain states (#2424):
     # no error here; tests/test_te_real.py shows the wrong result and the master-weight crash
-    ("nvte211", None),
-])
-def test_dtensor_training_on_the_patched_te_class(tmp_path, flavor, unpatched_error):
-    site = _site(flavor, tmp_path)
-    results = run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2, timeout=240,
-                        env={**_ENV, "PYTHONPATH": str(site)})
+    "nvte211": None,
+}
+
+
+@pytest.fixture(scope="module", params=FLAVORS)
+def dtensor_training(request, tmp_path_factory):
+    """One 2-rank launch of tests/multirank/te_fused_adam_cases.py per flavor."""
+    site = _site(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2,
+                                    timeout=240, env={**_ENV, "PYTHONPATH": str(site)})
+
+
+@pytest.mark.parametrize("check", te_fused_adam_cases.CHECKS)
+def test_dtensor_training_on_the_patched_te_class(dtensor_training, check):
+    assert_check(dtensor_training[1], check, te_fused_adam_cases.CHECKS)
+
+
+def test_dtensor_training_applies_the_patch_and_the_unpatched_class_fails_as_known(dtensor_training):
+    flavor, results = dtensor_training
+    unpatched_error = UNPATCHED_ERRORS[flavor]
     for r in results:
-        assert r["failures"] == []
         assert r["facts"]["state"] == "applied"
         if unpatched_error is None:
             assert r["facts"]["unpatched_error"] is None

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from npu_fsdp_patches.optim import foreach_adamw_step
+from tests.support import bit_mismatches
 
 #: (name, global shape): uneven (7 and 5 rows on 2 ranks) and empty (1 row: nothing on rank 1) shards
 SHAPES = [("w_even", (16, 8)), ("w_uneven", (7,)), ("w_empty", (1,)), ("w_uneven2d", (5, 3))]
@@ -58,19 +59,6 @@ def local_chunk(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's dim-0 chunk as FSDP2 / DTensor Shard(0) cut it (torch.chunk; empty past the end)."""
     chunks = torch.chunk(full, world, dim=0)
     return chunks[rank].clone() if rank < len(chunks) else full[0:0].clone()
-
-
-def bit_mismatches(a: torch.Tensor, b: torch.Tensor) -> tuple[int, str]:
-    """Number of elements whose bits differ, and the first one described."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return max(a.numel(), b.numel(), 1), f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
-    int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    differ = a.reshape(-1).view(int_type) != b.reshape(-1).view(int_type)
-    count = int(differ.sum())
-    if count == 0:
-        return 0, ""
-    i = int(differ.nonzero()[0])
-    return count, f"flat index {i}: {a.reshape(-1)[i].item()!r} vs {b.reshape(-1)[i].item()!r}"
 
 
 def _local(t):

@@ -1,14 +1,14 @@
 """Rank-side cases for FusedAdam on torch DTensor / gloo (the test matrix of
 docs/te_fused_adam.md#rfc-42-test-matrix, docs/design.md#41-te_fused_adam_dtensor).
 
-Each public function runs many cases in one launch and returns a list of failure strings (empty =
-pass) plus small facts the pytest side asserts on, so one launch costs one interpreter start-up.
+Each public function runs many named checks in one launch (``tests.support.Checks``) and returns
+their results plus small facts the pytest side asserts on, so one launch costs one interpreter
+start-up. ``NUMERICS_CHECKS`` and ``PRECISION_CHECKS`` name every check, one pytest test each.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from npu_fsdp_patches.optim import FusedAdam
 from tests.multirank.dtensors import distribute_same
+from tests.support import Checks
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1
 LAYOUTS = ("tensor", "shard", "replicate")
@@ -68,13 +69,6 @@ def ref_adam(p0: torch.Tensor, grads, *, lr=LR, betas=BETAS, eps=EPS, wd=WD, l2=
             p = p * (1 - lr * wd)
         p = p - lr * mh / (vh.sqrt() + eps)
     return p, m, v
-
-
-def check(failures: list, label: str, fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception as exc:  # collected, reported by the pytest side
-        failures.append(f"{label}: {type(exc).__name__}: {exc}")
 
 
 def expect_error(exc_type, *needles):
@@ -128,17 +122,28 @@ class CollectiveCounter(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- launch 1
 
+#: layouts x numel x grad source x (AdamW, L2), each 5 steps vs the float64 reference
+REFERENCE_CASES = tuple(itertools.product(LAYOUTS, (1, 7), (False, True), (False, True)))
+
+
+def _reference_label(layout: str, numel: int, decoupled: bool, l2: bool) -> str:
+    return f"ref[{layout},{numel},{'decoupled' if decoupled else 'grad'},{'l2' if l2 else 'w'}]"
+
+
+NUMERICS_CHECKS = (*(_reference_label(*case) for case in REFERENCE_CASES),
+                   "layout_rules", "empty_shards", "no_collectives", "rejections")
+
+
 def numerics_matrix(rank: int, world: int):
     """fp32 reference matrix, layout rules, empty shards, no collectives, rejections."""
     mesh = init_device_mesh("cpu", (world,))
-    failures: list = []
+    checks = Checks()
     facts: dict = {}
     gen = torch.Generator().manual_seed(1234)
 
     # 1. layouts x numel x grad source x (AdamW, L2), 5 steps vs the float64 reference
-    for layout, numel, decoupled, l2 in itertools.product(LAYOUTS, (1, 7), (False, True),
-                                                         (False, True)):
-        label = f"ref[{layout},{numel},{'decoupled' if decoupled else 'grad'},{'l2' if l2 else 'w'}]"
+    for layout, numel, decoupled, l2 in REFERENCE_CASES:
+        label = _reference_label(layout, numel, decoupled, l2)
 
         def run(layout=layout, numel=numel, decoupled=decoupled, l2=l2):
             p0 = torch.randn(numel, generator=gen)
@@ -159,9 +164,10 @@ def numerics_matrix(rank: int, world: int):
                                        rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(full_of(opt.state[p]["exp_avg_sq"]), rv.float(),
                                        rtol=1e-6, atol=1e-7)
-        check(failures, label, run)
+        checks.run(label, run)
 
     # 2. state layout: DTensor with the param's mesh/placements/global shape/stride, keyed by param
+    @checks("layout_rules")
     def layout_rules():
         for layout in ("shard", "replicate"):
             p = make_param(layout, torch.randn(7, 3, generator=gen), mesh)
@@ -184,9 +190,9 @@ def numerics_matrix(rank: int, world: int):
             bf = opt.get_unscaled_state(p, "exp_avg_sq", skip_unscale=True)
             assert bf.dtype == torch.bfloat16 and bf is opt.state[p]["exp_avg_sq"]._local_tensor
             assert opt.get_unscaled_state(p, "exp_avg_sq").dtype == torch.float32
-    check(failures, "layout_rules", layout_rules)
 
     # 3. empty local shard (numel 1 on 2 ranks): no aminmax on empty, no kernel input, equal steps
+    @checks("empty_shards")
     def empty_shards():
         kernel_sizes, real_fused, real_aminmax = [], torch._fused_adamw_, torch.aminmax
 
@@ -215,9 +221,9 @@ def numerics_matrix(rank: int, world: int):
                           "steps": steps,
                           "scale": float(opt._scales[q]["exp_avg"]) if p._local_tensor.numel() == 0
                           else None}
-    check(failures, "empty_shards", empty_shards)
 
     # 4. no collectives during step()
+    @checks("no_collectives")
     def no_collectives():
         ps = [make_param(lay, torch.randn(n, generator=gen), mesh)
               for lay, n in itertools.product(("shard", "replicate"), (1, 7))]
@@ -234,9 +240,9 @@ def numerics_matrix(rank: int, world: int):
             opt.step()
             opt.step()
         facts["collectives_in_step"] = counter.calls
-    check(failures, "no_collectives", no_collectives)
 
     # 5. rejections with clear messages
+    @checks("rejections")
     def rejections():
         partial = torch.nn.Parameter(DTensor.from_local(torch.randn(3), mesh, [Partial()],
                                                         run_check=False))
@@ -268,8 +274,7 @@ def numerics_matrix(rank: int, world: int):
             FusedAdam([b], master_weights=True, master_weight_dtype=torch.bfloat16)
         with expect_error(RuntimeError, "capturable"):
             FusedAdam([b], capturable=True)
-    check(failures, "rejections", rejections)
-    return {"failures": failures, "facts": facts}
+    return {"checks": checks.results, "facts": facts}
 
 
 # ----------------------------------------------------------------------------- launch 2
@@ -307,10 +312,15 @@ def _assert_state_dict_metadata(sd, params, opt_kwargs, step):
                 assert type(value) is torch.Tensor and value.shape == p.shape, (i, name)
 
 
+PRECISION_CHECKS = (*(f"{label} {layout}" for (label, _, _), layout
+                       in itertools.product(list(_precision_configs()), LAYOUTS)),
+                    "remainders_plain")
+
+
 def precision_checkpoints(rank: int, world: int):
     """Low-precision moments and master weights x layouts: reference, state_dict, load, continue."""
     mesh = init_device_mesh("cpu", (world,))
-    failures: list = []
+    checks = Checks()
     for (label, pdtype, kwargs), layout in itertools.product(list(_precision_configs()), LAYOUTS):
         def run(pdtype=pdtype, kwargs=kwargs, layout=layout):
             gen = torch.Generator().manual_seed(7)
@@ -356,8 +366,9 @@ def precision_checkpoints(rank: int, world: int):
                                                             for gs in grads])
                 torch.testing.assert_close(full_of(p.detach()).float(), ref.float(),
                                            rtol=2e-2, atol=2e-2)
-        check(failures, f"{label} {layout}", run)
+        checks.run(f"{label} {layout}", run)
 
+    @checks("remainders_plain")
     def remainders_plain():
         """store_param_remainders on plain bf16: master == the fp32-master run, bit for bit."""
         gen = torch.Generator().manual_seed(3)
@@ -377,5 +388,4 @@ def precision_checkpoints(rank: int, world: int):
         assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
         sd = oa.state_dict()
         assert sd["state"][0]["master_param"].dtype == torch.int16
-    check(failures, "remainders_plain", remainders_plain)
-    return {"failures": failures}
+    return {"checks": checks.results}

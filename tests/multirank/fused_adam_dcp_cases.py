@@ -8,16 +8,21 @@ from torch.distributed.tensor import Replicate, Shard
 
 from npu_fsdp_patches.optim import FusedAdam
 from tests.multirank.dtensors import distribute_same
-from tests.multirank.fused_adam_cases import LR, WD, check, full_of, like
+from tests.multirank.fused_adam_cases import LR, WD, full_of, like
+from tests.support import Checks
+
+
+SPECS = {"w7": ((7,), torch.float32, [Shard(0)]), "w1": ((1,), torch.float32, [Shard(0)]),
+         "m73": ((7, 3), torch.bfloat16, [Shard(0)]), "r5": ((5,), torch.float16, [Replicate()])}
+STATES = ("exp_avg", "exp_avg_sq", "master_param")
+#: one check per param and per state of it, after resuming: each is one pytest test
+CHECKS = tuple(f"dcp {name} {what}" for name in SPECS for what in ("param", *STATES))
 
 
 def _dcp_model(mesh, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    specs = {"w7": ((7,), torch.float32, [Shard(0)]), "w1": ((1,), torch.float32, [Shard(0)]),
-             "m73": ((7, 3), torch.bfloat16, [Shard(0)]), "r5": ((5,), torch.float16,
-                                                                 [Replicate()])}
     params = {}
-    for name, (shape, dtype, placements) in specs.items():
+    for name, (shape, dtype, placements) in SPECS.items():
         full = torch.randn(shape, generator=gen).to(dtype)
         params[name] = torch.nn.Parameter(distribute_same(full, mesh, placements))
     opt = FusedAdam(list(params.values()), lr=LR, weight_decay=WD, master_weights=True,
@@ -73,17 +78,16 @@ def _resume_and_compare(mesh, ckpt, reference):
     steps = [g["step"] for g in opt.param_groups]
     _dcp_steps(params, opt, 3, 5)
     got = _full_snapshot(params, opt)
-    failures = []
+    checks = Checks()
     for name, (ref_p, ref_states) in reference.items():
-        check(failures, f"dcp {name} param", lambda: torch.testing.assert_close(
-            got[name][0], ref_p))
+        checks.run(f"dcp {name} param", lambda: torch.testing.assert_close(got[name][0], ref_p))
         for k, ref in ref_states.items():
             # TE's own tolerance for fp16-stored moments (test_fused_optimizer.py: 2e-3)
             tol = dict(rtol=2e-3, atol=2e-3) if ref.dtype == torch.float16 else {}
-            check(failures, f"dcp {name} {k}", lambda k=k, ref=ref, tol=tol:
-                  torch.testing.assert_close(got[name][1][k], ref, **tol))
+            checks.run(f"dcp {name} {k}", lambda k=k, ref=ref, tol=tol:
+                       torch.testing.assert_close(got[name][1][k], ref, **tol))
     local_numels = {n: p._local_tensor.numel() for n, p in params.items()}
-    return {"failures": failures, "steps_after_load": steps, "local_numels": local_numels}
+    return {"checks": checks.results, "steps_after_load": steps, "local_numels": local_numels}
 
 
 def dcp_resume_other_world(rank: int, world: int, ckpt: str, ref_path: str):

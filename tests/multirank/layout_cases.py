@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer, foreach_adamw_step
 from npu_fsdp_patches.optim.fused_adam_state import local, wrap_like
 from tests.multirank.dtensors import distribute_same
+from tests.support import Checks
 
 SHAPE, STEPS = (4, 5), 4
 LAYOUTS = ("natural", "gapped", "column_major")
@@ -112,35 +113,48 @@ def _compare(full_dist, full_plain, what, dtype, loose=False):
     torch.testing.assert_close(full_dist.float(), full_plain.float(), **tol, msg=lambda m: f"{what}: {m}")
 
 
+PATH_CASES = tuple(itertools.product(PATHS, LAYOUTS, LAYOUTS, LAYOUTS))
+MAIN_PARAMS_CASES = tuple(itertools.product(LAYOUTS, LAYOUTS, (False, True)))
+
+
+def _path_label(name: str, param_layout: str, grad_layout: str, state_layout: str) -> str:
+    return f"{name} param={param_layout} grad={grad_layout} states={state_layout}"
+
+
+def _main_params_label(param_layout: str, grad_layout: str, fused: bool) -> str:
+    return f"MainParamsOptimizer(AdamW(fused={fused})) param={param_layout} grad={grad_layout}"
+
+
+#: every check ``all_paths`` runs, one pytest test each
+CHECKS = (*(_path_label(*case) for case in PATH_CASES),
+          *(_main_params_label(*case) for case in MAIN_PARAMS_CASES))
+
+
 def all_paths(rank: int, world: int) -> dict:
-    """Every path x param/grad/state layout; returns failures and the natural local strides."""
+    """Every path x param/grad/state layout; returns the checks and the natural local strides."""
     mesh = init_device_mesh("cpu", (world,))
-    failures = []
-    for name, (dtype, make_opt, step, names) in PATHS.items():
-        for layouts in itertools.product(LAYOUTS, LAYOUTS, LAYOUTS):
-            label = f"{name} param={layouts[0]} grad={layouts[1]} states={layouts[2]}"
-            try:
-                dist_p, plain_p, states, dp = run(make_opt, step, *layouts, names, mesh, dtype)
-                if layouts[0] == "gapped":
-                    assert not dp.to_local().is_contiguous(), "the gapped local shard is contiguous"
-                loose = "fp16" in name
-                _compare(dist_p, plain_p, "param", dtype, loose)
-                for state_name, (a, b) in states.items():
-                    _compare(a, b, state_name, torch.float32, loose)
-            except Exception as exc:  # collected and reported by the pytest side
-                failures.append(f"{label}: {type(exc).__name__}: {exc}"[:600])
-    failures += main_params_layouts(mesh)
+    checks = Checks()
+    for name, *layouts in PATH_CASES:
+        def path_case(name=name, layouts=layouts):
+            dtype, make_opt, step, names = PATHS[name]
+            dist_p, plain_p, states, dp = run(make_opt, step, *layouts, names, mesh, dtype)
+            if layouts[0] == "gapped":
+                assert not dp.to_local().is_contiguous(), "the gapped local shard is contiguous"
+            loose = "fp16" in name
+            _compare(dist_p, plain_p, "param", dtype, loose)
+            for state_name, (a, b) in states.items():
+                _compare(a, b, state_name, torch.float32, loose)
+        checks.run(_path_label(name, *layouts), path_case)
+    main_params_layouts(mesh, checks)
     natural = distribute_same(torch.zeros(SHAPE), mesh, [Shard(1)]).to_local()
-    return {"failures": failures, "natural_local": [list(natural.shape), list(natural.stride())]}
+    return {"checks": checks.results, "natural_local": [list(natural.shape), list(natural.stride())]}
 
 
-def main_params_layouts(mesh) -> list:
+def main_params_layouts(mesh, checks: Checks) -> None:
     """MainParamsOptimizer(AdamW) on a bf16 Shard(1) param: main params, copies and the step."""
-    failures = []
     p0, grads = data(torch.bfloat16)
-    for param_layout, grad_layout, fused in itertools.product(LAYOUTS, LAYOUTS, (False, True)):
-        label = f"MainParamsOptimizer(AdamW(fused={fused})) param={param_layout} grad={grad_layout}"
-        try:
+    for param_layout, grad_layout, fused in MAIN_PARAMS_CASES:
+        def main_params_case(param_layout=param_layout, grad_layout=grad_layout, fused=fused):
             results = []
             for distributed in (True, False):
                 model = torch.nn.Module()
@@ -158,6 +172,4 @@ def main_params_layouts(mesh) -> list:
             _compare(dist_main, plain_main, "main_param", torch.float32)
             assert torch.equal(dist_w, dist_main.to(torch.bfloat16)), "model param != main_param.to(bf16)"
             _compare(dist_w, plain_w, "param", torch.bfloat16)
-        except Exception as exc:  # collected and reported by the pytest side
-            failures.append(f"{label}: {type(exc).__name__}: {exc}"[:600])
-    return failures
+        checks.run(_main_params_label(param_layout, grad_layout, fused), main_params_case)

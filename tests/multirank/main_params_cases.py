@@ -24,6 +24,7 @@ from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype,
 from npu_fsdp_patches.optim._tensors import local_tensor
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw
 from npu_fsdp_patches.selftest.checks.main_params import DIM, SEQ, VOCAB, TinyLM as SelfTestLM
+from tests.support import bit_mismatches
 
 BATCH = 8
 MUON = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
@@ -81,16 +82,6 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def bitwise_mismatches(a, b) -> int:
-    """Elements whose bits differ (NaN-safe); 0 means bitwise equal."""
-    a, b = full(a), full(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return max(a.numel(), b.numel(), 1)
-    ia = a.reshape(-1).view(torch.int16 if a.element_size() == 2 else torch.int32)
-    ib = b.reshape(-1).view(torch.int16 if b.element_size() == 2 else torch.int32)
-    return int((ia != ib).sum())
-
-
 def train_step(model, opt, step, rank=None, world=None, clip=1.0):
     """Forward/backward/prepare/clip/step; returns the per-step quantities RFC 001 compares."""
     ids, targets = batch(step, rank, world)
@@ -123,7 +114,7 @@ def check_model_equals_main(model, opt):
         if main is p:
             continue
         cast = local_tensor(main).to(p.dtype)
-        assert bitwise_mismatches(local_tensor(p), cast) == 0, f"{name} != main_param.to({p.dtype})"
+        assert bit_mismatches(local_tensor(p), cast)[0] == 0, f"{name} != main_param.to({p.dtype})"
 
 
 def case1_accuracy(rank, world, steps=3):
@@ -175,7 +166,7 @@ def case1_accuracy(rank, world, steps=3):
             assert err < limit, f"step {step} main param update {fqn}: relative error {err}"
         check_model_equals_main(model, opt)
         for key in leaves:   # every group updates, on the main params
-            changed = [bitwise_mismatches(before[opt.fqn(p)], p) > 0
+            changed = [bit_mismatches(before[opt.fqn(p)], p)[0] > 0
                        for g in leaves[key].param_groups for p in g["params"]]
             assert all(changed), f"step {step}: {key} left some main params unchanged"
         assert all(p.grad is None and getattr(p, "main_grad", None) is None for p in model.parameters())
@@ -195,7 +186,7 @@ def snapshot(opt):
 
 def compare_snapshots(a, b, section):
     assert a[section].keys() == b[section].keys(), (sorted(a[section]), sorted(b[section]))
-    return {k: bitwise_mismatches(a[section][k], b[section][k]) for k in a[section]}
+    return {k: bit_mismatches(a[section][k], b[section][k])[0] for k in a[section]}
 
 
 def case2_save_restore(rank, world, ckpt):
@@ -223,15 +214,15 @@ def case2_save_restore(rank, world, ckpt):
     resumed = train_step(model2, opt2, 1, rank, world)
     assert resumed["loss"] == uninterrupted["loss"]
     for fqn in uninterrupted["params"]:
-        assert bitwise_mismatches(resumed["params"][fqn], uninterrupted["params"][fqn]) == 0, fqn
-        assert bitwise_mismatches(resumed["main_grads"][fqn], uninterrupted["main_grads"][fqn]) == 0, fqn
+        assert bit_mismatches(resumed["params"][fqn], uninterrupted["params"][fqn])[0] == 0, fqn
+        assert bit_mismatches(resumed["main_grads"][fqn], uninterrupted["main_grads"][fqn])[0] == 0, fqn
     for section in ("main", "state"):
         assert not any(compare_snapshots(after_two, snapshot(opt2), section).values()), section
 
     # negative controls: 1 ulp is caught, and the bf16 round trip (plain branch) loses the tails
     one = saved["main"]["proj1.weight"].clone()
     one.view(-1)[0] = torch.nextafter(one.view(-1)[0], torch.tensor(float("inf")))
-    assert bitwise_mismatches(one, saved["main"]["proj1.weight"]) == 1
+    assert bit_mismatches(one, saved["main"]["proj1.weight"])[0] == 1
     model3, _, opt3 = build(torch.bfloat16, sharded=True, world=world)
     load_checkpoint(ckpt, model3, opt3)
     opt3.reload_model_params()
@@ -267,7 +258,7 @@ def case3_fp32(rank, world, ckpt):
     resumed = train_step(model2, opt2, 1, rank, world)
     assert resumed["loss"] == uninterrupted["loss"]
     for fqn in uninterrupted["params"]:
-        assert bitwise_mismatches(resumed["params"][fqn], uninterrupted["params"][fqn]) == 0, fqn
+        assert bit_mismatches(resumed["params"][fqn], uninterrupted["params"][fqn])[0] == 0, fqn
     return {"storages": before}
 
 
@@ -287,13 +278,13 @@ def case4_plain_and_partial(rank, world, plain_ckpt, partial_ckpt):
         assert load_checkpoint(plain_ckpt, model2, opt2) == "plain"
     assert any("fp32 tails" in str(w.message) for w in caught), [str(w.message) for w in caught]
     for (name, p), (_, q) in zip(model.named_parameters(), model2.named_parameters()):
-        assert bitwise_mismatches(p, q) == 0, name
-        assert bitwise_mismatches(q.main_param, full(p).float()) == 0, name
+        assert bit_mismatches(p, q)[0] == 0, name
+        assert bit_mismatches(q.main_param, full(p).float())[0] == 0, name
     for leaf, leaf2 in zip(chain.chained_optimizers, opt2.leaf_optimizers):
         for p, p2 in zip(leaf.param_groups[0]["params"], leaf2.param_groups[0]["params"]):
             for k, v in leaf.state[p].items():
-                assert bitwise_mismatches(full(v).float() if v.is_floating_point() and k != "step" else v,
-                                          leaf2.state[p2][k]) == 0, (opt2.fqn(p2), k)
+                assert bit_mismatches(full(v).float() if v.is_floating_point() and k != "step" else v,
+                                          leaf2.state[p2][k])[0] == 0, (opt2.fqn(p2), k)
 
     # 2. partial main params: two FQNs dropped; the load must raise and touch nothing
     sd = {"model": model2.state_dict(), "optimizer": opt2.state_dict()}
@@ -316,7 +307,7 @@ def case4_plain_and_partial(rank, world, plain_ckpt, partial_ckpt):
     for section in ("main", "state"):
         assert not any(compare_snapshots(before[0], after[0], section).values()), section
     assert before[0]["groups"] == after[0]["groups"]
-    assert all(bitwise_mismatches(before[1][n], after[1][n]) == 0 for n in before[1])
+    assert all(bit_mismatches(before[1][n], after[1][n])[0] == 0 for n in before[1])
     return {"partial_error": message}
 
 
@@ -381,7 +372,7 @@ def dtype_layout_case(rank, world):
         obj, mesh_, placements, local_shape = before[name]
         assert p is obj and p.device_mesh is mesh_ and p.placements == placements, name
         assert p.dtype == torch.bfloat16 and local_tensor(p).shape == local_shape, name
-        assert bitwise_mismatches(full(p), values[name].to(torch.bfloat16)) == 0, name
+        assert bit_mismatches(full(p), values[name].to(torch.bfloat16))[0] == 0, name
     assert model.positions.dtype == torch.int64 and model.scale.dtype == torch.bfloat16
     ids, targets = batch(0, rank, world)
     F.cross_entropy(model(ids).float().reshape(-1, VOCAB), targets.reshape(-1)).backward()

@@ -60,7 +60,7 @@ def _factory_te_adam(mco, params):
         while tb is not None and tb.tb_frame.f_code.co_name != "_get_megatron_optimizer_based_on_param_groups":
             tb = tb.tb_next
         assert tb is not None, f"the factory failed before building the optimizer: {exc!r}"
-        frame = tb.tb_frame.f_locals
+        frame, stop = tb.tb_frame.f_locals, f"{type(exc).__name__}: {exc}"
     else:
         raise AssertionError("Megatron's optimizer was built on CPU: drive it directly instead")
     opt, init_state_fn = frame["optimizer"], frame["init_state_fn"]
@@ -68,7 +68,7 @@ def _factory_te_adam(mco, params):
         assert opt.init_state_fn is init_state_fn
         opt = opt.optimizer
     assert type(opt) is mco.Adam and init_state_fn.__module__ == "megatron.core.optimizer", type(opt)
-    return opt, init_state_fn, cfg
+    return opt, init_state_fn, cfg, stop
 
 
 def _patch_state() -> str:
@@ -76,13 +76,22 @@ def _patch_state() -> str:
 
 
 def factory_init_state_fn(rank: int, world: int, te_site: str) -> dict:
-    """Megatron's ``init_state_fn(opt, config)`` on the factory's TE FusedAdam (fp32 + bf16 params)."""
+    """``init_state_fn_result`` on every rank."""
+    return init_state_fn_result(te_site)
+
+
+def init_state_fn_result(te_site: str) -> dict:
+    """Megatron's ``init_state_fn(opt, config)`` on the factory's TE FusedAdam (fp32 + bf16 params).
+
+    Needs no process group: tests/test_megatron_initialize_state.py runs it in one process.
+    """
     mco = _megatron_optimizer_module(te_site)
     import megatron.core.package_info as info
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2).bfloat16())
-    opt, init_state_fn, cfg = _factory_te_adam(mco, list(model.parameters()))
+    opt, init_state_fn, cfg, stop = _factory_te_adam(mco, list(model.parameters()))
     result = {"megatron": info.__version__, "python": sys.version_info[:2], "patch": _patch_state(),
-              "master_weights": opt.master_weights, "store_param_remainders": opt.store_param_remainders}
+              "master_weights": opt.master_weights, "store_param_remainders": opt.store_param_remainders,
+              "factory_stop": stop}
     try:
         init_state_fn(opt, cfg)
     except TypeError as exc:
@@ -101,7 +110,7 @@ def fsdp_dtensor_main_weights(rank: int, world: int, te_site: str, steps: int = 
     fulls = [torch.randn(shape, generator=gen) for shape in SHAPES]
     params = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, (Shard(0),), src_data_rank=None))
               for f in fulls]
-    opt, init_state_fn, cfg = _factory_te_adam(mco, params)
+    opt, init_state_fn, cfg, _ = _factory_te_adam(mco, params)
     built = {"master_weights": opt.master_weights, "use_decoupled_grad": opt.use_decoupled_grad}
     opt.master_weights = False           # megatron/core/optimizer/__init__.py L1115-1128 (0.19.2)
     opt.use_decoupled_grad = True

@@ -13,3 +13,8 @@ def raise_on_rank_one(rank, world):
     if rank == 1:
         raise ValueError("boom on rank 1")
     return rank
+
+
+def echo_args(**args):
+    """A single-process case for tests.support.run_case: returns its arguments."""
+    return {"args": args}

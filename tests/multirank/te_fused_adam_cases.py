@@ -13,9 +13,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import npu_fsdp_patches
 from npu_fsdp_patches.optim import FusedAdam as OurFusedAdam
 from tests.multirank.dtensors import distribute_same
-from tests.multirank.fused_adam_cases import check, full_of, like, ref_adam
+from tests.multirank.fused_adam_cases import full_of, like, ref_adam
+from tests.support import Checks
 
 PATCH = "te_fused_adam_dtensor"
+#: every check ``te_patch_cases`` runs, one pytest test each
+CHECKS = ("unpatched_fails", "patched_matches_standalone_and_reference", "rejections_on_te_class")
 
 
 def _params(mesh, dtype=torch.float32):
@@ -46,9 +49,10 @@ def te_patch_cases(rank: int, world: int):
     from transformer_engine.pytorch.optimizers import FusedAdam as BoundBefore
     from transformer_engine.pytorch.optimizers import fused_adam as te_module
     mesh = init_device_mesh("cpu", (world,))
-    failures: list = []
+    checks = Checks()
     facts = {"state": {r["name"]: r["state"] for r in npu_fsdp_patches.status()}[PATCH]}
 
+    @checks("unpatched_fails")
     def unpatched_fails():
         npu_fsdp_patches.revert(PATCH)
         try:
@@ -60,8 +64,8 @@ def te_patch_cases(rank: int, world: int):
             facts["unpatched_error"] = None
         finally:
             npu_fsdp_patches.apply(PATCH)
-    check(failures, "unpatched_fails", unpatched_fails)
 
+    @checks("patched_matches_standalone_and_reference")
     def patched_matches_standalone_and_reference():
         TE = te_module.FusedAdam
         assert TE is BoundBefore, "the class object was replaced"
@@ -103,8 +107,8 @@ def te_patch_cases(rank: int, world: int):
             for name in opt.state[a[0]]:
                 torch.testing.assert_close(opt2.get_unscaled_state(c[0], name),
                                            opt.get_unscaled_state(a[0], name))
-    check(failures, "patched_matches_standalone_and_reference", patched_matches_standalone_and_reference)
 
+    @checks("rejections_on_te_class")
     def rejections_on_te_class():
         b = _params(mesh, torch.bfloat16)
         opt = te_module.FusedAdam(b, master_weights=True, store_param_remainders=True)
@@ -114,5 +118,4 @@ def te_patch_cases(rank: int, world: int):
             assert "store_param_remainders" in str(exc) and "DTensor" in str(exc), exc
         else:
             raise AssertionError("remainders accepted on a DTensor param")
-    check(failures, "rejections_on_te_class", rejections_on_te_class)
-    return {"failures": failures, "facts": facts}
+    return {"checks": checks.results, "facts": facts}

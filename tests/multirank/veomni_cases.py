@@ -21,7 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, load_checkpoint,
                                     save_checkpoint)
 from npu_fsdp_patches.optim.main_params import MAIN_PARAMS_KEY, MP_KEY
-from tests.multirank.main_params_cases import bitwise_mismatches, full
+from tests.multirank.main_params_cases import full
+from tests.support import bit_mismatches
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 4, 6
 
@@ -108,7 +109,7 @@ def train_and_resume(rank: int, world: int, optimizer_type: str, root: str) -> d
     resumed = snapshot(model, opt)
 
     assert set(straight) == set(resumed), sorted(set(straight) ^ set(resumed))
-    mismatched = {k: bitwise_mismatches(straight[k], resumed[k]) for k in straight}
+    mismatched = {k: bit_mismatches(straight[k], resumed[k])[0] for k in straight}
     mismatched = {k: n for k, n in mismatched.items() if n}
     control = resumed["main.q_proj.weight"].clone()
     control.view(-1)[0] = torch.nextafter(control.view(-1)[0], torch.tensor(float("inf")))
@@ -116,7 +117,7 @@ def train_and_resume(rank: int, world: int, optimizer_type: str, root: str) -> d
                 for n, _ in model.named_parameters())
     return {"leaves": leaves, "branch": branch, "mismatched": mismatched,
             "losses": (straight_losses, resumed_losses), "compared": len(straight),
-            "control_mismatches": bitwise_mismatches(straight["main.q_proj.weight"], control),
+            "control_mismatches": bit_mismatches(straight["main.q_proj.weight"], control)[0],
             "fp32_tail_elements": tails,
             "local_embed_rows": int(opt.main_param(model.embed_tokens.weight).to_local().shape[0]),
             "local_gain_numel": int(opt.main_param(model.gain).to_local().numel())}
