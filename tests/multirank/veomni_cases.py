@@ -163,7 +163,7 @@ def _files(path: str) -> list:
 def _mismatched(a: dict, b: dict) -> dict:
     if set(a) != set(b):
         return {"keys": sorted(set(a) ^ set(b))}
-    return {k: n for k in a if (n := bitwise_mismatches(a[k], b[k]))}
+    return {k: n for k in a if (n := bit_mismatches(a[k], b[k])[0])}
 
 
 def refuses_main_params(rank: int, world: int, root: str) -> dict:
