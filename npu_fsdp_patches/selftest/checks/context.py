@@ -1,10 +1,15 @@
 """What every check gets: this rank's device, a 1-D mesh over all ranks, data made the same everywhere."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Shard, distribute_tensor
+
+#: torch >= 2.7 can skip distribute_tensor's broadcast (src_data_rank=None); torch 2.6 has no such argument
+_CAN_SKIP_BROADCAST = "src_data_rank" in inspect.signature(distribute_tensor).parameters
 
 #: param shapes: even, uneven (7 rows on 2 or 8 ranks) and empty (1 row: nothing past rank 0) shards
 SHAPES = ((16, 8), (7,), (1,), (5, 3))
@@ -28,3 +33,10 @@ class Context:
     def grad(self, step: int, index: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """Grads from far below one bf16 ulp of the params (1e-10) up to O(1)."""
         return self.tensor(10_000 * step + index, shape, dtype, span=10.0)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """``full``, identical on every rank, as a Shard(0) DTensor over the mesh: each rank cuts its own
+        piece where torch allows it; torch 2.6 broadcasts rank 0's copy, which is the same."""
+        if _CAN_SKIP_BROADCAST:
+            return distribute_tensor(full, self.mesh, [Shard(0)], src_data_rank=None)
+        return distribute_tensor(full, self.mesh, [Shard(0)])
