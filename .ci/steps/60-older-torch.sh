@@ -3,8 +3,9 @@
 # tests: every npu_fsdp_patches.optim path and its layout tests, the four torch-facing patches, Megatron's
 # initialize_state path, the real-TE launches that back the three TE patches' verified torch (TE 2.10.0:
 # te_fused_adam_dtensor + te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail +
-# te_fused_adam_empty_scale), the FSDP2 examples, the torch autoload entry and the torch gate. The
-# plugin-core, doctor, CLI and packaging files do not depend on the torch release and run on 2.13.0 only;
+# te_fused_adam_empty_scale), the FSDP2 examples, the self-test's checks on 2 CPU ranks, the torch autoload
+# entry, the torch gate and doctor's torch finding. The plugin-core, doctor, CLI and packaging files do not
+# depend on the torch release and run on 2.13.0 only;
 # .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
 # Per version: wait for .ci/older-torch-wheels.sh (started in the background by .ci/run; run here in the
 # foreground when the step runs on its own), install the registry's CUDA wheel offline into
@@ -27,7 +28,7 @@ TESTS=(
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.10.0]"
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
     tests/test_megatron_initialize_state.py tests/test_autoload.py tests/test_torch_gate.py
-    tests/test_torch_gate_doctor.py
+    tests/test_torch_gate_doctor.py "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
 )
 
 wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its timeout); 0 when it succeeded
@@ -48,19 +49,29 @@ wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its 
     return 1
 }
 
-status=0
-for version in $OLDER_TORCH_VERSIONS; do
-    venv=.ci/venvs/torch-$version wheels=$OLDER_TORCH_WHEELS/torch-$version
-    t0=$SECONDS
+install() {  # install VERSION: its wheels offline into a fresh .ci/venvs/torch-<v>, then delete the wheels
+    local venv=.ci/venvs/torch-$1 t0=$SECONDS rc
     rm -rf "$venv"
-    wheels_ready "$version" \
+    wheels_ready "$1" \
         && python3 -m venv "$venv" \
-        && "$venv/bin/pip" install -q --no-index --find-links "$wheels" -c .ci/older-torch-constraints.txt \
-            "torch==$version" -e '.[test]' \
-        && "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$version')"
+        && "$venv/bin/pip" install -q --no-index --find-links "$OLDER_TORCH_WHEELS/torch-$1" \
+            -c .ci/older-torch-constraints.txt "torch==$1" -e '.[test]' \
+        && "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$1')"
     rc=$?
-    rm -rf "$wheels"
-    echo "60-older-torch: torch $version: install took $((SECONDS - t0)) s (rc $rc)"
+    rm -rf "$OLDER_TORCH_WHEELS/torch-$1"
+    echo "60-older-torch: torch $1: install took $((SECONDS - t0)) s (rc $rc)"
+    return "$rc"
+}
+
+# Each next version installs in the background while the previous one's tests run (disk-bound vs CPU-bound).
+read -r -a versions <<< "$OLDER_TORCH_VERSIONS"
+install "${versions[0]}" & pending=$!
+status=0
+for i in "${!versions[@]}"; do
+    version=${versions[$i]} venv=.ci/venvs/torch-${versions[$i]}
+    wait "$pending"
+    rc=$?
+    if [ $((i + 1)) -lt "${#versions[@]}" ]; then install "${versions[$((i + 1))]}" & pending=$!; fi
     if [ "$rc" -eq 0 ]; then
         t1=$SECONDS
         "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}"
