@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 #: torch >= 2.7 can skip distribute_tensor's broadcast (src_data_rank=None); torch 2.6 has no such argument
 _CAN_SKIP_BROADCAST = "src_data_rank" in inspect.signature(distribute_tensor).parameters
@@ -35,8 +36,12 @@ class Context:
         return self.tensor(10_000 * step + index, shape, dtype, span=10.0)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """``full``, identical on every rank, as a Shard(0) DTensor over the mesh: each rank cuts its own
-        piece where torch allows it; torch 2.6 broadcasts rank 0's copy, which is the same."""
+        """``full``, identical on every rank, as a Shard(0) DTensor over the mesh, with no collective: each
+        rank cuts its own piece (torch 2.6's ``distribute_tensor`` has no ``src_data_rank`` and always
+        scatters, which would leave the other ranks waiting when one stopped early after an error)."""
         if _CAN_SKIP_BROADCAST:
             return distribute_tensor(full, self.mesh, [Shard(0)], src_data_rank=None)
-        return distribute_tensor(full, self.mesh, [Shard(0)])
+        shape, offset = compute_local_shape_and_global_offset(full.shape, self.mesh, [Shard(0)])
+        piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+        return DTensor.from_local(piece.clone(memory_format=torch.contiguous_format), self.mesh, [Shard(0)],
+                                  shape=full.shape, stride=full.stride())
