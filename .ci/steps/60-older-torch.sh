@@ -31,13 +31,19 @@ TESTS=(
     tests/test_torch_gate_doctor.py "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
 )
 
+alive() {  # alive PID: running (an exited child of .ci/run stays a zombie until .ci/run reaps it)
+    local state
+    state=$(ps -o stat= -p "$1" 2>/dev/null) && [ -n "$state" ] && [ "${state#Z}" = "$state" ]
+}
+
 wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its timeout); 0 when it succeeded
-    local rc_file="$OLDER_TORCH_WHEELS/torch-$1.rc" pid_file="$OLDER_TORCH_WHEELS/download.pid"
-    if [ ! -e "$rc_file" ] && ! { [ -e "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; }; then
+    local rc_file="$OLDER_TORCH_WHEELS/torch-$1.rc" pid
+    pid=$(cat "$OLDER_TORCH_WHEELS/download.pid" 2>/dev/null)
+    if [ ! -e "$rc_file" ] && ! alive "$pid"; then
         bash .ci/older-torch-wheels.sh "$1"   # no download running: this step runs on its own
     fi
     while [ ! -e "$rc_file" ]; do
-        if ! kill -0 "$(cat "$pid_file" 2>/dev/null)" 2>/dev/null && [ ! -e "$rc_file" ]; then
+        if ! alive "$pid" && [ ! -e "$rc_file" ]; then
             echo "60-older-torch: the wheel download ended without a result for torch $1" >&2
             return 1
         fi
