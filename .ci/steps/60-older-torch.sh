@@ -12,7 +12,9 @@
 # .ci/venvs/torch-<v>, run pytest on CPU (CUDA_VISIBLE_DEVICES=""), delete the venv and the wheels
 # (about 5 GB + 3 GB). Skips name what the torch lacks (Muon before 2.9, Adam(decoupled_weight_decay) and
 # FSDP2 training on CPU before 2.7).
-# Measured: see the README's Tests section.
+# Measured on 2 cores shared with five other helpers (load average 13-20, far above an idle machine):
+# download of torch 2.7.1's wheels 820 s (2.9 GB), offline install 1535 s. Estimated on an idle machine
+# (README, Tests): ~90 s install + ~350 s tests per torch, the next install overlapping the tests.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . .ci/older-torch.env
