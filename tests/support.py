@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+#: the torch releases the shipped matrix verifies (README "Supported torch"; CI runs each)
+VERIFIED_TORCH = ["2.6.0", "2.7.1", "2.10.0", "2.13.0"]
 
 
 def install_fixture(name: str, dest: Path) -> Path:

@@ -1,5 +1,8 @@
 """The torch gate of the shipped matrix, condition notes, and doctor's torch findings (pure, no torch)."""
+import re
+
 import pytest
+from packaging.version import Version
 
 from npu_fsdp_patches.decide import check_condition, decide
 from npu_fsdp_patches.detect import Detected
@@ -7,8 +10,8 @@ from npu_fsdp_patches.errors import MatrixError
 from npu_fsdp_patches.matrix import Condition, load_matrix, parse_matrix
 from npu_fsdp_patches.settings import parse_settings
 from npu_fsdp_patches.torch_support import SUPPORTED_TORCH, torch_findings, verified_torch
+from tests.support import REPO_ROOT, VERIFIED_TORCH as VERIFIED
 
-VERIFIED = ["2.6.0", "2.7.1", "2.10.0", "2.13.0"]
 SHIPPED = load_matrix()
 
 
@@ -122,3 +125,12 @@ patches:
 """
     with pytest.raises(MatrixError, match=r"patches\.p\.gate\[0\]\.torch\.note.*expected a string"):
         parse_matrix(text)
+
+
+def test_ci_runs_every_verified_torch():
+    """The README test command's torch plus .ci/older-torch.env's are exactly the matrix's verified torch."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    readme_torch = re.findall(r"pip install torch==(\S+) -e '\.\[test\]'", readme)
+    env = (REPO_ROOT / ".ci" / "older-torch.env").read_text()
+    older = re.search(r'^OLDER_TORCH_VERSIONS="([^"]*)"', env, re.M).group(1).split()
+    assert sorted(set(readme_torch[:1] + older), key=Version) == VERIFIED

@@ -28,7 +28,8 @@ def adam_module_for(cls: type):
 #: FSDP2 forward/backward on CPU needs torch >= 2.7: torch 2.6's torch.cpu.Stream has no record_event
 #: (torch 2.6 _fsdp_collectives.py:171), and with a no-op one its backward still fails ("modified by an
 #: inplace operation"); the optim paths on torch DTensors run in test_layouts.py on every torch
+FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
 needs_fsdp2_on_cpu = pytest.mark.skipif(
-    not hasattr(torch.cpu.Stream, "record_event"),
+    not FSDP2_ON_CPU,
     reason=f"FSDP2 forward/backward on CPU needs torch >= 2.7 (torch.cpu.Stream.record_event); this is "
            f"torch {torch.__version__}")

@@ -13,9 +13,10 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import npu_fsdp_patches
+from tests.multirank.dtensors import distribute_same
 from tests.multirank.fused_adam_cases import full_of, like, ref_adam
 
 STEPS = 5
@@ -45,7 +46,7 @@ def _grads(step, dtype):
 
 
 def _params(mesh, dtype, dtensor=True):
-    return [torch.nn.Parameter(distribute_tensor(f, mesh, pl, src_data_rank=None) if dtensor
+    return [torch.nn.Parameter(distribute_same(f, mesh, pl) if dtensor
                                else f.clone()) for f, (_, pl) in zip(_fulls(dtype), SPECS)]
 
 

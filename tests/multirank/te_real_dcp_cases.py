@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
+from tests.multirank.dtensors import distribute_same
 from tests.multirank.fused_adam_cases import LR, WD
 from tests.multirank.fused_adam_dcp_cases import _dcp_steps, _full_snapshot
 
@@ -21,8 +22,7 @@ _SPECS = {"w7": ((7,), torch.float32, [Shard(0)]), "m73": ((7, 3), torch.bfloat1
 def _model(mesh, seed: int):
     from transformer_engine.pytorch.optimizers import FusedAdam
     gen = torch.Generator().manual_seed(seed)
-    params = {name: torch.nn.Parameter(distribute_tensor(
-        torch.randn(shape, generator=gen).to(dtype), mesh, pl, src_data_rank=None))
+    params = {name: torch.nn.Parameter(distribute_same(torch.randn(shape, generator=gen).to(dtype), mesh, pl))
         for name, (shape, dtype, pl) in _SPECS.items()}
     opt = FusedAdam(list(params.values()), lr=LR, weight_decay=WD, master_weights=True,
                     exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16,

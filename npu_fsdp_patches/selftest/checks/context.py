@@ -1,10 +1,16 @@
 """What every check gets: this rank's device, a 1-D mesh over all ranks, data made the same everywhere."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+#: torch >= 2.7 can skip distribute_tensor's broadcast (src_data_rank=None); torch 2.6 has no such argument
+_CAN_SKIP_BROADCAST = "src_data_rank" in inspect.signature(distribute_tensor).parameters
 
 #: param shapes: even, uneven (7 rows on 2 or 8 ranks) and empty (1 row: nothing past rank 0) shards
 SHAPES = ((16, 8), (7,), (1,), (5, 3))
@@ -28,3 +34,14 @@ class Context:
     def grad(self, step: int, index: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """Grads from far below one bf16 ulp of the params (1e-10) up to O(1)."""
         return self.tensor(10_000 * step + index, shape, dtype, span=10.0)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """``full``, identical on every rank, as a Shard(0) DTensor over the mesh, with no collective: each
+        rank cuts its own piece (torch 2.6's ``distribute_tensor`` has no ``src_data_rank`` and always
+        scatters, which would leave the other ranks waiting when one stopped early after an error)."""
+        if _CAN_SKIP_BROADCAST:
+            return distribute_tensor(full, self.mesh, [Shard(0)], src_data_rank=None)
+        shape, offset = compute_local_shape_and_global_offset(full.shape, self.mesh, [Shard(0)])
+        piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+        return DTensor.from_local(piece.clone(memory_format=torch.contiguous_format), self.mesh, [Shard(0)],
+                                  shape=full.shape, stride=full.stride())

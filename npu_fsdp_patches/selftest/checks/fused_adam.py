@@ -12,7 +12,6 @@ import os
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from npu_fsdp_patches.optim import FusedAdam
 
@@ -32,14 +31,14 @@ def _params(ctx: Context, dtype: torch.dtype, sharded: bool) -> list:
     fulls = [ctx.tensor(i, shape, dtype) for i, shape in enumerate(SHAPES)]
     if not sharded:
         return [torch.nn.Parameter(f) for f in fulls]
-    return [torch.nn.Parameter(distribute_tensor(f, ctx.mesh, [Shard(0)], src_data_rank=None)) for f in fulls]
+    return [torch.nn.Parameter(ctx.shard(f)) for f in fulls]
 
 
 def _step(ctx: Context, params: list, opt: FusedAdam, step: int, decoupled: bool) -> None:
     for i, p in enumerate(params):
         g = ctx.grad(step, i, p.shape, torch.float32 if decoupled else p.dtype)
         if hasattr(p, "device_mesh"):
-            g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            g = ctx.shard(g)
         setattr(p, "decoupled_grad" if decoupled else "grad", g)
     opt.step()
 

@@ -82,6 +82,11 @@ def _snapshot(model: nn.Module, opt: MainParamsOptimizer) -> dict:
 
 
 def run(ctx: Context) -> dict:
+    if ctx.device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
+        # torch 2.6's FSDP2 waits on torch.cpu.Stream.record_event, which it lacks (torch 2.6
+        # _fsdp_collectives.py:171); device streams (npu, cuda) have it
+        return {"skipped": f"FSDP2 training on CPU needs torch >= 2.7 (torch.cpu.Stream.record_event); "
+                           f"this is torch {torch.__version__}"}
     checkpoint = os.path.join(ctx.workdir, NAME)
     model, opt = _build(ctx)
     for step in range(STEPS):

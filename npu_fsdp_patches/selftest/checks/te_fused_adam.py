@@ -8,7 +8,6 @@ the same settings (fp32; bf16 with fp32 master weights) and must agree bit for b
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Shard, distribute_tensor
 
 import npu_fsdp_patches
 from npu_fsdp_patches.optim import FusedAdam
@@ -25,15 +24,13 @@ CONFIGS = {"fp32": (torch.float32, {}),
 
 
 def _train(ctx: Context, cls, dtype: torch.dtype, kwargs: dict) -> tuple:
-    params = [torch.nn.Parameter(distribute_tensor(ctx.tensor(i, shape, dtype), ctx.mesh, [Shard(0)],
-                                                   src_data_rank=None)) for i, shape in enumerate(SHAPES)]
+    params = [torch.nn.Parameter(ctx.shard(ctx.tensor(i, shape, dtype))) for i, shape in enumerate(SHAPES)]
     opt = cls(params, lr=1e-2, weight_decay=0.1, **kwargs)
     decoupled = kwargs.get("use_decoupled_grad", False)
     for step in range(STEPS):
         for i, p in enumerate(params):
             g = ctx.grad(step, i, p.shape, torch.float32 if decoupled else dtype)
-            setattr(p, "decoupled_grad" if decoupled else "grad",
-                    distribute_tensor(g, ctx.mesh, [Shard(0)], src_data_rank=None))
+            setattr(p, "decoupled_grad" if decoupled else "grad", ctx.shard(g))
         opt.step()
     return params, opt
 
