@@ -25,7 +25,7 @@ from torch import nn
 import hyper_parallel as hp
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from npu_fsdp_patches.optim import MainParamsOptimizer, load_checkpoint, save_checkpoint
-from npu_fsdp_patches.optim._tensors import local_tensor
+from npu_fsdp_patches.optim.tensors import local_tensor
 
 MESH = hp.init_device_mesh("cpu", (1,))
 gen = torch.Generator().manual_seed(0)
