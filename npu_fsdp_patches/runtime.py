@@ -14,12 +14,12 @@ import sys
 import threading
 from typing import Iterable, Mapping
 
-from . import hooks, loader
-from .decide import Decision, decide, verification
+from . import hooks, loader, verify
+from .decide import decide, requested_by_apply
 from .detect import detect_all
 from .errors import ConfigError, MatrixError, PatchError
 from .matrix import Matrix, load_matrix
-from .records import PatchRecord
+from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound, resolve
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .stale import modules_referencing
@@ -84,7 +84,7 @@ class Runtime:
             if not self._prepare():
                 return
             self._warn_unknown_names()
-            enabled = [r for r in self.records.values() if r.decision.enabled and r.state == "pending"]
+            enabled = [r for r in self.records.values() if r.decision.enabled and r.state == State.PENDING]
             self._preimported = {m for r in enabled for m in self.matrix.patches[r.name].target_modules
                                  if m in sys.modules}
             failures = [f for record in enabled for f in self._arm(record.name)]
@@ -125,11 +125,11 @@ class Runtime:
             provider = self._implementations.get(name)
             record = PatchRecord(name, spec.summary, decision,
                                  [t.symbol + ("?" if t.optional else "") for t in spec.targets],
-                                 state="pending" if decision.enabled else "disabled")
+                                 state=State.PENDING if decision.enabled else State.DISABLED)
             record.provenance = provider.as_dict() if provider else None
             if provider is None:   # two third-party distributions claim the name: run neither
                 record.error = self.provider_conflicts[name]
-                record.state = "failed" if decision.enabled else record.state
+                record.state = State.FAILED if decision.enabled else record.state
             self.records[name] = record
             log.debug("patch %s %s: %s; code: %s", name, "enabled" if decision.enabled else "disabled",
                       decision.reason, provider.describe() if provider else record.error)
@@ -150,6 +150,11 @@ class Runtime:
     def _arm(self, name: str) -> list:
         """Apply now for imported target modules; hook the others. Returns strict failures (PatchError)."""
         record = self.records[name]
+        try:
+            if not self._verified(record):
+                return []
+        except PatchError as exc:
+            return [exc]
         modules = self.matrix.patches[name].target_modules
         record.waiting_for = [m for m in modules if m not in sys.modules]
         failures = []
@@ -162,6 +167,23 @@ class Runtime:
             else:
                 self._hook(module)
         return failures
+
+    def _verified(self, record: PatchRecord) -> bool:
+        """Load the patch code and check it against the matrix from its declarations alone (no target
+        is imported); a mismatch fails the patch under the failure policy."""
+        try:
+            found = self.code_problems(record.name)
+            if found:
+                raise PatchError("patch code does not match the matrix: " + "; ".join(found))
+        except Exception as exc:  # noqa: BLE001 - failure isolation per patch
+            self._fail(record, exc, None)
+            return False
+        return True
+
+    def code_problems(self, name: str) -> list:
+        """How the code registered for ``name`` disagrees with its matrix entry (raises when the code
+        cannot be loaded); importing the patch module imports no target."""
+        return verify.problems(self.matrix.patches[name], self._instance(name))
 
     def _hook(self, module: str) -> None:
         """One post-import hook per module, for every patch with a target there (wrapt stops at the
@@ -176,7 +198,7 @@ class Runtime:
             self._hooked.discard(name)
             failures, touched = [], []
             for patch, record in self.records.items():
-                if record.state in ("pending", "applied") and name in self.matrix.patches[patch].target_modules:
+                if record.state in (State.PENDING, State.APPLIED) and name in self.matrix.patches[patch].target_modules:
                     touched.append(patch)
                     try:
                         self.on_import(patch, name)
@@ -196,7 +218,7 @@ class Runtime:
                 self.registry.forget(symbol)
                 record.applied_targets.remove(symbol)
             if gone and not record.applied_targets:
-                record.state = "pending"
+                record.state = State.PENDING
             if gone and module not in record.waiting_for:
                 record.waiting_for.append(module)
         self._hook(module)
@@ -210,7 +232,7 @@ class Runtime:
         """Apply ``name``'s targets that live in ``module_name`` (called once it is imported)."""
         with self._lock:
             record = self.records[name]
-            if record.state not in ("pending", "applied"):
+            if record.state not in (State.PENDING, State.APPLIED):
                 return
             spec = self.matrix.patches[name]
             record.waiting_for = [m for m in spec.target_modules if m not in sys.modules]
@@ -219,12 +241,8 @@ class Runtime:
                 patch = self._instance(name)
                 if spec.stand_down_probe and name not in self._probed:
                     self._probed.add(name)
-                    probe = getattr(patch, spec.stand_down_probe, None)
-                    if not callable(probe):
-                        raise PatchError(f"stand-down probe {spec.stand_down_probe!r} is not defined by "
-                                         f"{type(patch).__name__}")
-                    if probe():
-                        record.state, record.note = "skipped", f"upstream has it (probe {spec.stand_down_probe})"
+                    if getattr(patch, spec.stand_down_probe)():   # verify.problems checked it exists
+                        record.state, record.note = State.SKIPPED, f"upstream has it (probe {spec.stand_down_probe})"
                         log.info("patch %s skipped: upstream has it", name)
                         return
                 resolved = []
@@ -272,7 +290,7 @@ class Runtime:
         if module_name in self._preimported and module_name not in record.imported_before_activation:
             record.imported_before_activation.append(module_name)
         if record.applied_targets:
-            record.state = "applied"
+            record.state = State.APPLIED
         elif not record.waiting_for:
             raise PatchError("none of the optional targets exist: " + ", ".join(record.targets))
 
@@ -285,7 +303,7 @@ class Runtime:
         (scanning per target listed the copies that the same round patches a moment later)."""
         for name in names:
             record = self.records[name]
-            if record.state != "applied" or not record.imported_before_activation:
+            if record.state != State.APPLIED or not record.imported_before_activation:
                 continue
             record.stale_refs = {}
             for symbol in record.applied_targets:
@@ -296,7 +314,7 @@ class Runtime:
 
     def _fail(self, record: PatchRecord, exc: Exception, symbol: str | None) -> None:
         cause = str(exc) if isinstance(exc, (TargetNotFound, PatchError)) else f"{type(exc).__name__}: {exc}"
-        record.state, record.error = "failed", cause
+        record.state, record.error = State.FAILED, cause
         log.warning("patch %s failed: %s", record.name, cause)
         if self.settings.strict or record.decision.explicit:
             raise PatchError(f"patch {record.name} failed at {symbol or record.name}: {cause}",
@@ -318,12 +336,10 @@ class Runtime:
                 if name not in self._implementations:
                     raise PatchError(f"patch {name} cannot be applied: {record.error}", patch=name)
                 self._check_live(record)
-                if record.state == "applied":
+                if record.state == State.APPLIED:
                     continue
-                spec = self.matrix.patches[name]
-                _, unverified = verification(spec, self.frameworks, None)
-                record.decision = Decision(True, "requested by apply()", True, not unverified, unverified)
-                record.state, record.error, record.note = "pending", None, None
+                record.decision = requested_by_apply(self.matrix.patches[name], self.frameworks)
+                record.state, record.error, record.note = State.PENDING, None, None
                 self._probed.discard(name)
                 failures.extend(self._arm(name))
             self._scan_stale(names)
@@ -335,15 +351,15 @@ class Runtime:
         with self._lock:
             self.ensure_prepared()
             names = list(names) or [n for n in self.records if self.registry.installed_for(n)
-                                    or self.records[n].state == "pending"]
+                                    or self.records[n].state == State.PENDING]
             self._check_known(names)
             for name in names:
                 record = self.records[name]
                 installed = self.registry.installed_for(name)
-                if not installed and record.state != "pending":
+                if not installed and record.state != State.PENDING:
                     continue   # never applied: nothing to restore, the state stays true
                 errors = [e for s in installed if (e := self.registry.restore(s))]
-                record.state, record.applied_targets, record.stale_refs = "reverted", [], {}
+                record.state, record.applied_targets, record.stale_refs = State.REVERTED, [], {}
                 record.error = "; ".join(errors) or None
                 log.info("patch %s reverted%s", name, f" ({record.error})" if record.error else "")
             return [self.records[n].as_dict() for n in names]
@@ -356,7 +372,7 @@ class Runtime:
 
     def _check_live(self, record: PatchRecord) -> None:
         """Make an ``applied`` record match the live targets (reload, overwrite, dropped module)."""
-        if record.state != "applied":
+        if record.state != State.APPLIED:
             return
         lost = {}
         for symbol in list(record.applied_targets):
@@ -369,7 +385,7 @@ class Runtime:
             for symbol in lost:
                 self.registry.forget(symbol)
                 record.applied_targets.remove(symbol)
-            record.state = "failed"
+            record.state = State.FAILED
             record.error = (f"no longer installed at {', '.join(lost)} (module reloaded or attribute replaced "
                             f"after apply); npu_fsdp_patches.apply({record.name!r}) applies it again")
             log.warning("patch %s: %s", record.name, record.error)
