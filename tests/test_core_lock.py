@@ -1,6 +1,7 @@
 """No patch code runs under the runtime's lock: a stand-down probe or a replacement factory that waits
 for another thread using the plugin completes (with the lock held across them, that thread blocked
-until the wait timed out)."""
+until the wait timed out). What the unlocked code built is installed only if its target did not
+change meanwhile."""
 from tests.core_demo import run_demo
 from tests.support import install_fixture
 
@@ -66,3 +67,46 @@ import npu_fsdp_patches, demo_target, waiting_patches
 emit(seen=waiting_patches.SEEN, state=records()["demo_waits"]["state"], greet=demo_target.greet("x"))
 """, NPU_FSDP_PATCHES_MATRIX=str(tmp_path / "waits.yaml"))
     assert result == {"seen": {"probe": True, "factory": True}, "state": "applied", "greet": "hello x?"}
+
+
+CHANGING = '''
+import demo_target
+from npu_fsdp_patches.patch import Patch
+
+BUILT = []
+
+
+def _question(original):
+    BUILT.append(original("x"))
+    if len(BUILT) == 1:   # the target changes while this replacement is built (another thread's work)
+        def greet(name):
+            return "hi " + name
+        demo_target.greet = greet
+
+    def greet(name):
+        return original(name) + "?"
+    return greet
+
+
+class Changes(Patch):
+    name = "demo_changes"
+    factories = {"greet": _question}
+'''
+
+
+def test_a_target_that_changes_while_its_replacement_is_built_is_built_again(tmp_path):
+    site = install_fixture("core_demo", tmp_path)
+    (site / "changing_patches.py").write_text(CHANGING)
+    info = site / "changing_patches-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: changing-patches\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[npu_fsdp_patches.patches]\ndemo_changes = changing_patches:Changes\n")
+    (tmp_path / "changes.yaml").write_text(MATRIX.replace("demo_waits", "demo_changes").replace(
+        "    stand_down_probe: waits_for_status_in_another_thread\n", ""))
+    result, _ = run_demo(tmp_path, """
+import npu_fsdp_patches, demo_target, changing_patches
+patched = demo_target.greet("x")
+npu_fsdp_patches.revert("demo_changes")
+emit(built=changing_patches.BUILT, patched=patched, reverted=demo_target.greet("x"))
+""", NPU_FSDP_PATCHES_MATRIX=str(tmp_path / "changes.yaml"))
+    assert result == {"built": ["hello x", "hi x"], "patched": "hi x?", "reverted": "hi x"}
