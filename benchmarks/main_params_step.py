@@ -28,7 +28,7 @@ def _rank(rank, world, steps, params, rows, cols):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from npu_fsdp_patches.optim import MainParamsOptimizer
-    from npu_fsdp_patches.optim._tensors import local_tensor
+    from npu_fsdp_patches.optim.tensors import local_tensor
 
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))

@@ -9,10 +9,14 @@ from . import __version__, loader, selftest
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .render import doctor_text, explain_text, list_text
 from .runtime import RUNTIME
+from .settings import ENV_VARS
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="npu-fsdp-patches",
+    epilog = "environment variables (read when npu_fsdp_patches is imported):\n" + "\n".join(
+        f"  {name:<26} {meaning}" for name, meaning in ENV_VARS.items())
+    parser = argparse.ArgumentParser(prog="npu-fsdp-patches", epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Report, explain and list the npu_fsdp_patches patches.")
     parser.add_argument("--version", action="version", version=f"npu-fsdp-patches {__version__}")
     sub = parser.add_subparsers(dest="command")

@@ -96,3 +96,10 @@ def decide(spec: PatchSpec, frameworks: Mapping[str, Detected], settings: Settin
     enabled, reason, alternative = evaluate_gate(spec, frameworks)
     verified, unverified = verification(spec, frameworks, alternative) if enabled else (None, ())
     return Decision(enabled, reason, False, verified, unverified)
+
+
+def requested_by_apply(spec: PatchSpec, frameworks: Mapping[str, Detected]) -> Decision:
+    """The decision behind ``npu_fsdp_patches.apply(name)``: enabled whatever the gate says, and
+    explicit (a failure raises); verified over every installed framework the gate names."""
+    _, unverified = verification(spec, frameworks, None)
+    return Decision(True, "requested by apply()", True, not unverified, unverified)

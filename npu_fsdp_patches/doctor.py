@@ -200,6 +200,23 @@ def warnings_for(records: list) -> list:
     return out
 
 
+def code_findings() -> tuple:
+    """(errors, warnings): every patch whose code disagrees with its matrix entry (verify.problems).
+    An enabled patch failed on it at activation (an error); a disabled one would (a warning)."""
+    errors, warnings = [], []
+    for name, record in (RUNTIME.records.items() if RUNTIME.matrix is not None else ()):
+        if name not in RUNTIME._implementations:
+            continue   # a provider conflict, already reported
+        try:
+            found = RUNTIME.code_problems(name)
+        except Exception as exc:  # noqa: BLE001 - reported, never fatal
+            found = [f"cannot load it: {type(exc).__name__}: {exc}"]
+        if found:
+            text = f"{name}: patch code does not match the matrix: " + "; ".join(found)
+            (errors if record.decision.enabled else warnings).append(text)
+    return errors, warnings
+
+
 def plugin_section() -> dict:
     """The plugin's own state, shared by every JSON document the CLI prints."""
     settings = RUNTIME.settings
@@ -221,6 +238,7 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         if records is None:   # nothing could be verified: an error, not a warning
             import_failed, import_errors = import_errors, []
     records = records if records is not None else RUNTIME.status()
+    code_errors, code_warnings = code_findings()
     settings = RUNTIME.settings
     report = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
@@ -228,11 +246,11 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         "environment": env,
         "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
         "patches": records,
-        "errors": environment_errors(env) + import_failed,
+        "errors": environment_errors(env) + import_failed + code_errors,
         "warnings": (torch_findings(RUNTIME.frameworks.get("torch"), RUNTIME.matrix)
                      + warnings_for(records) + list(RUNTIME.provider_conflicts.values())
                      + [f"{name}: {fw.note}" for name, fw in RUNTIME.frameworks.items() if fw.note]
-                     + environment_warnings(env) + import_errors),
+                     + environment_warnings(env) + import_errors + code_warnings),
         "self_test": None,
     }
     if RUNTIME.matrix is not None:

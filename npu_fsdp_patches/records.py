@@ -1,16 +1,32 @@
 """The per-patch status record that status(), doctor and the JSON report share."""
 from __future__ import annotations
 
+from enum import Enum
+
 from .decide import Decision
 
-STATES = ("pending", "applied", "skipped", "failed", "disabled", "reverted")
+
+class State(str, Enum):
+    """A patch's lifecycle state; the value is what status(), doctor and the JSON report print."""
+
+    PENDING = "pending"        # enabled, waiting for a target module to be imported
+    APPLIED = "applied"
+    SKIPPED = "skipped"        # the stand-down probe found the fix upstream
+    FAILED = "failed"
+    DISABLED = "disabled"      # the matrix or the environment says no
+    REVERTED = "reverted"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class PatchRecord:
     """Mutable: the runtime updates state, error and targets as hooks fire and patches revert."""
 
-    def __init__(self, name: str, summary: str, decision: Decision, targets: list, state: str = "disabled"):
-        self.name, self.summary, self.decision, self.targets, self.state = name, summary, decision, targets, state
+    def __init__(self, name: str, summary: str, decision: Decision, targets: list,
+                 state: State = State.DISABLED):
+        self.name, self.summary, self.decision, self.targets = name, summary, decision, targets
+        self.state = State(state)
         self.error: str | None = None
         self.note: str | None = None                  # e.g. "upstream has it (probe handles_dtensor)"
         self.applied_targets: list = []
@@ -26,7 +42,7 @@ class PatchRecord:
             "decision": "enabled" if self.decision.enabled else "disabled",
             "reason": self.decision.reason,
             "explicit": self.decision.explicit,
-            "state": self.state,
+            "state": State(self.state).value,
             "error": self.error,
             "note": self.note,
             "targets": list(self.targets),

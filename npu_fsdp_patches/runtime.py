@@ -1,6 +1,12 @@
 """Activation and the apply/revert lifecycle (docs/design.md#31-activation, #36-failure-policy): one Runtime
 per process.
 
+Locking: one RLock guards the runtime's state, but no patch code runs under it. Loading a patch, its
+stand-down probe and its ``replacement()`` run outside the lock (as wrapt calls hooks), so they may
+import, take their own locks or wait for threads that use the plugin; what they computed is committed
+under the lock after a re-check that the targets did not change meanwhile (else it is computed again).
+Post-import hooks are registered outside the lock too (wrapt runs hooks under its own lock).
+
 Failure policy: a failing patch is logged once at WARNING and recorded as ``failed``; the other
 patches go on. In strict mode (NPU_FSDP_PATCHES_STRICT=1), or for a patch named in
 NPU_FSDP_PATCHES_ENABLE or passed to apply(), the failure raises PatchError instead, but only after
@@ -14,17 +20,19 @@ import sys
 import threading
 from typing import Iterable, Mapping
 
-from . import hooks, loader
-from .decide import Decision, decide, verification
+from . import hooks, loader, verify
+from .decide import decide, requested_by_apply
 from .detect import detect_all
 from .errors import ConfigError, MatrixError, PatchError
 from .matrix import Matrix, load_matrix
-from .records import PatchRecord
+from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound, resolve
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .stale import modules_referencing
 
 log = logging.getLogger("npu_fsdp_patches")
+#: compute-then-commit rounds before a patch whose targets keep changing under it fails
+_ATTEMPTS = 3
 
 
 class _AtTarget(Exception):
@@ -33,6 +41,25 @@ class _AtTarget(Exception):
     def __init__(self, symbol: str):
         super().__init__(symbol)
         self.symbol = symbol
+
+
+def _unchanged(resolved: list) -> bool:
+    """Every target still resolves to the owner and original it had (its module still imported)."""
+    for item in resolved:
+        if sys.modules.get(item.target.module) is None:
+            return False
+        try:
+            now = resolve(item.target)
+        except TargetNotFound:
+            return False
+        if now.owner is not item.owner or now.original is not item.original or now.had_own != item.had_own:
+            return False
+    return True
+
+
+def _same(claims: list, again: list) -> bool:
+    return len(claims) == len(again) and all(a.target == b.target and a.original is b.original
+                                             for a, b in zip(claims, again))
 
 
 def configure_logging(level: str | None) -> None:
@@ -61,7 +88,8 @@ class Runtime:
         self.provider_conflicts: dict = {}   # patch name -> message (loader.discover)
         self._instances: dict = {}
         self._hooked: set = set()
-        self._probed: set = set()
+        self._unregistered: list = []        # modules hooked under the lock, registered with wrapt after it
+        self._probed: dict = {}              # patch name -> stand-down verdict (the first one computed wins)
         self._preimported: set = set()
 
     # -- activation -------------------------------------------------------------------------
@@ -84,13 +112,14 @@ class Runtime:
             if not self._prepare():
                 return
             self._warn_unknown_names()
-            enabled = [r for r in self.records.values() if r.decision.enabled and r.state == "pending"]
+            enabled = [r for r in self.records.values() if r.decision.enabled and r.state == State.PENDING]
             self._preimported = {m for r in enabled for m in self.matrix.patches[r.name].target_modules
                                  if m in sys.modules}
-            failures = [f for record in enabled for f in self._arm(record.name)]
+        failures = [f for record in enabled for f in self._arm(record.name)]   # patch code: no lock
+        with self._lock:
             self._scan_stale([r.name for r in enabled])
-            if failures:
-                raise failures[0]
+        if failures:
+            raise failures[0]
 
     def _configuration_failed(self, exc: PatchError, strict: bool) -> None:
         self.config_error = str(exc)
@@ -125,11 +154,11 @@ class Runtime:
             provider = self._implementations.get(name)
             record = PatchRecord(name, spec.summary, decision,
                                  [t.symbol + ("?" if t.optional else "") for t in spec.targets],
-                                 state="pending" if decision.enabled else "disabled")
+                                 state=State.PENDING if decision.enabled else State.DISABLED)
             record.provenance = provider.as_dict() if provider else None
             if provider is None:   # two third-party distributions claim the name: run neither
                 record.error = self.provider_conflicts[name]
-                record.state = "failed" if decision.enabled else record.state
+                record.state = State.FAILED if decision.enabled else record.state
             self.records[name] = record
             log.debug("patch %s %s: %s; code: %s", name, "enabled" if decision.enabled else "disabled",
                       decision.reason, provider.describe() if provider else record.error)
@@ -150,42 +179,80 @@ class Runtime:
     def _arm(self, name: str) -> list:
         """Apply now for imported target modules; hook the others. Returns strict failures (PatchError)."""
         record = self.records[name]
-        modules = self.matrix.patches[name].target_modules
-        record.waiting_for = [m for m in modules if m not in sys.modules]
-        failures = []
-        for module in modules:
-            if module in sys.modules:
-                try:
-                    self.on_import(name, module)
-                except PatchError as exc:
-                    failures.append(exc)
-            else:
+        try:
+            if not self._verified(record):
+                return []
+        except PatchError as exc:
+            return [exc]
+        with self._lock:
+            modules = self.matrix.patches[name].target_modules
+            record.waiting_for = [m for m in modules if m not in sys.modules]
+            for module in record.waiting_for:
                 self._hook(module)
+            imported = [m for m in modules if m not in record.waiting_for]
+        self._register_hooks()
+        failures = []
+        for module in imported:
+            try:
+                self.on_import(name, module)
+            except PatchError as exc:
+                failures.append(exc)
         return failures
+
+    def _verified(self, record: PatchRecord) -> bool:
+        """Load the patch code and check it against the matrix from its declarations alone (no target
+        is imported); a mismatch fails the patch under the failure policy."""
+        try:
+            found = self.code_problems(record.name)
+            if found:
+                raise PatchError("patch code does not match the matrix: " + "; ".join(found))
+        except Exception as exc:  # noqa: BLE001 - failure isolation per patch
+            with self._lock:
+                self._fail(record, exc, None)
+            return False
+        return True
+
+    def code_problems(self, name: str) -> list:
+        """How the code registered for ``name`` disagrees with its matrix entry (raises when the code
+        cannot be loaded); importing the patch module imports no target."""
+        return verify.problems(self.matrix.patches[name], self._instance(name))
 
     def _hook(self, module: str) -> None:
         """One post-import hook per module, for every patch with a target there (wrapt stops at the
-        first hook that raises, so one hook per patch let a strict failure disarm the others)."""
+        first hook that raises, so one hook per patch let a strict failure disarm the others).
+        Called under the lock; :meth:`_register_hooks` hands it to wrapt once the lock is released."""
         if module not in self._hooked:
             self._hooked.add(module)
+            self._unregistered.append(module)
+
+    def _register_hooks(self) -> None:
+        """Register the pending hooks with wrapt, outside our lock: wrapt calls a hook at once, under its
+        own lock, when the module is imported meanwhile, and its hooks take our lock."""
+        with self._lock:
+            modules, self._unregistered = self._unregistered, []
+        for module in modules:
             hooks.when_imported(module, self._module_imported)
 
     def _module_imported(self, module) -> None:
         name = module.__name__
         with self._lock:
             self._hooked.discard(name)
-            failures, touched = [], []
-            for patch, record in self.records.items():
-                if record.state in ("pending", "applied") and name in self.matrix.patches[patch].target_modules:
-                    touched.append(patch)
-                    try:
-                        self.on_import(patch, name)
-                    except PatchError as exc:
-                        failures.append(exc)
+            touched = [patch for patch, record in self.records.items()
+                       if record.state in (State.PENDING, State.APPLIED)
+                       and name in self.matrix.patches[patch].target_modules]
+        failures = []
+        for patch in touched:
+            try:
+                self.on_import(patch, name)
+            except PatchError as exc:
+                failures.append(exc)
+        with self._lock:
             self._scan_stale(touched)
             if failures:   # raising fails this import, and importlib drops the module: re-arm for a retry
                 self._module_discarded(name)
-                raise failures[0]
+        self._register_hooks()
+        if failures:
+            raise failures[0]
 
     def _module_discarded(self, module: str) -> None:
         """Patches applied on a module object that leaves sys.modules go back to pending on it."""
@@ -196,68 +263,125 @@ class Runtime:
                 self.registry.forget(symbol)
                 record.applied_targets.remove(symbol)
             if gone and not record.applied_targets:
-                record.state = "pending"
+                record.state = State.PENDING
             if gone and module not in record.waiting_for:
                 record.waiting_for.append(module)
         self._hook(module)
 
     def _instance(self, name: str):
-        if name not in self._instances:
-            self._instances[name] = loader.load_patch(self._implementations[name].value)
-        return self._instances[name]
+        """The patch object; loading it imports the patch's module (its code), so no lock is held."""
+        with self._lock:
+            patch, value = self._instances.get(name), self._implementations[name].value
+        if patch is None:
+            patch = loader.load_patch(value)
+            with self._lock:
+                patch = self._instances.setdefault(name, patch)
+        return patch
 
     def on_import(self, name: str, module_name: str) -> None:
-        """Apply ``name``'s targets that live in ``module_name`` (called once it is imported)."""
-        with self._lock:
-            record = self.records[name]
-            if record.state not in ("pending", "applied"):
-                return
-            spec = self.matrix.patches[name]
-            record.waiting_for = [m for m in spec.target_modules if m not in sys.modules]
-            symbol = None
-            try:
-                patch = self._instance(name)
-                if spec.stand_down_probe and name not in self._probed:
-                    self._probed.add(name)
-                    probe = getattr(patch, spec.stand_down_probe, None)
-                    if not callable(probe):
-                        raise PatchError(f"stand-down probe {spec.stand_down_probe!r} is not defined by "
-                                         f"{type(patch).__name__}")
-                    if probe():
-                        record.state, record.note = "skipped", f"upstream has it (probe {spec.stand_down_probe})"
-                        log.info("patch %s skipped: upstream has it", name)
-                        return
-                resolved = []
-                for target in (t for t in spec.targets if t.module == module_name):
-                    symbol = target.symbol
-                    clash = self.registry.overlap(name, target)
-                    if clash:
-                        raise PatchError(f"{clash}; two patches cannot change the same object")
-                    try:
-                        resolved.append(resolve(target))
-                    except TargetNotFound:
-                        if not target.optional:
-                            raise
-                symbol = None
-                self._install(record, patch, resolved, module_name)
-            except _AtTarget as failure:
-                self._fail(record, failure.__cause__, failure.symbol)
-            except Exception as exc:  # noqa: BLE001 - failure isolation per patch
-                self._fail(record, exc, symbol)
+        """Apply ``name``'s targets that live in ``module_name`` (called once it is imported).
 
-    def _install(self, record: PatchRecord, patch, resolved: list, module_name: str) -> None:
+        Patch code runs with the lock released: load and probe, then (under the lock) resolve and claim
+        the targets, then build the replacements, then (under the lock) install them if the targets
+        and claims are still what they were built from, else build again.
+        """
+        record = self.records[name]
+        try:
+            for _ in range(_ATTEMPTS):
+                with self._lock:
+                    if record.state not in (State.PENDING, State.APPLIED):
+                        return
+                    spec = self.matrix.patches[name]
+                    record.waiting_for = [m for m in spec.target_modules if m not in sys.modules]
+                patch = self._instance(name)
+                if self._stood_down(record, patch, spec):
+                    return
+                with self._lock:
+                    if record.state not in (State.PENDING, State.APPLIED):
+                        return
+                    resolved = self._resolve(record, spec, module_name)
+                    claims = self._claims(record, resolved)
+                built = self._build(patch, claims)
+                with self._lock:
+                    if record.state not in (State.PENDING, State.APPLIED):
+                        return
+                    if _unchanged(resolved) and _same(claims, self._claims(record, resolved)):
+                        self._install(record, claims, built, module_name)
+                        return
+            raise PatchError(f"its targets in {module_name} kept changing while it was applied "
+                             f"({_ATTEMPTS} attempts)")
+        except _AtTarget as failure:
+            with self._lock:
+                self._fail(record, failure.__cause__, failure.symbol)
+        except Exception as exc:  # noqa: BLE001 - failure isolation per patch
+            with self._lock:
+                self._fail(record, exc, None)
+
+    def _stood_down(self, record: PatchRecord, patch, spec) -> bool:
+        """Run the stand-down probe once per apply (outside the lock); True when upstream has the fix."""
+        probe = spec.stand_down_probe
+        if not probe:
+            return False
+        with self._lock:
+            verdict = self._probed.get(record.name)
+        if verdict is None:
+            verdict = bool(getattr(patch, probe)())   # verify.problems checked it exists
+        with self._lock:
+            verdict = self._probed.setdefault(record.name, verdict)
+            if verdict and record.state in (State.PENDING, State.APPLIED) and not record.applied_targets:
+                record.state, record.note = State.SKIPPED, f"upstream has it (probe {probe})"
+                log.info("patch %s skipped: upstream has it", record.name)
+        return verdict
+
+    def _resolve(self, record: PatchRecord, spec, module_name: str) -> list:
+        """The targets of ``spec`` in ``module_name``, found in the imported module (under the lock)."""
+        resolved = []
+        for target in (t for t in spec.targets if t.module == module_name):
+            try:
+                clash = self.registry.overlap(record.name, target)
+                if clash:
+                    raise PatchError(f"{clash}; two patches cannot change the same object")
+                resolved.append(resolve(target))
+            except TargetNotFound as exc:
+                if not target.optional:
+                    raise _AtTarget(target.symbol) from exc
+            except PatchError as exc:
+                raise _AtTarget(target.symbol) from exc
+        return resolved
+
+    def _claims(self, record: PatchRecord, resolved: list) -> list:
+        """The resolved targets to install, each with the original its replacement must wrap (under the
+        lock); a target another patch holds raises."""
+        claims = []
+        for item in resolved:
+            holder = self.registry.holder(item.original) if item.had_own else None  # inherited: wrap the base
+            if holder is not None and holder.patch != record.name:
+                raise _AtTarget(item.target.symbol) from PatchError(
+                    f"{item.target.symbol} holds the replacement that {holder.patch} installed at "
+                    f"{holder.resolved.target.symbol}; two patches cannot change the same object")
+            if self.registry.is_ours(item):
+                continue
+            if item.had_own:  # an inherited attribute is the base's live behaviour: keep it wrapped
+                item = item._replace(original=self.registry.underlying(item.original))
+            claims.append(item)
+        return claims
+
+    @staticmethod
+    def _build(patch, claims: list) -> list:
+        """The replacements, built by the patch's code outside the lock."""
+        built = []
+        for item in claims:
+            try:
+                built.append(patch.replacement(item.target.symbol, item.original))
+            except Exception as exc:
+                raise _AtTarget(item.target.symbol) from exc
+        return built
+
+    def _install(self, record: PatchRecord, claims: list, built: list, module_name: str) -> None:
         done, item = [], None
         try:
-            for item in resolved:
-                holder = self.registry.holder(item.original) if item.had_own else None  # inherited: wrap the base
-                if holder is not None and holder.patch != record.name:
-                    raise PatchError(f"{item.target.symbol} holds the replacement that {holder.patch} installed at "
-                                     f"{holder.resolved.target.symbol}; two patches cannot change the same object")
-                if self.registry.is_ours(item):
-                    continue
-                if item.had_own:  # an inherited attribute is the base's live behaviour: keep it wrapped
-                    item = item._replace(original=self.registry.underlying(item.original))
-                self.registry.install(record.name, item, patch.replacement(item.target.symbol, item.original))
+            for item, replacement in zip(claims, built):
+                self.registry.install(record.name, item, replacement)
                 done.append(item)
         except Exception as exc:
             for installed in reversed(done):
@@ -272,7 +396,7 @@ class Runtime:
         if module_name in self._preimported and module_name not in record.imported_before_activation:
             record.imported_before_activation.append(module_name)
         if record.applied_targets:
-            record.state = "applied"
+            record.state = State.APPLIED
         elif not record.waiting_for:
             raise PatchError("none of the optional targets exist: " + ", ".join(record.targets))
 
@@ -285,7 +409,7 @@ class Runtime:
         (scanning per target listed the copies that the same round patches a moment later)."""
         for name in names:
             record = self.records[name]
-            if record.state != "applied" or not record.imported_before_activation:
+            if record.state != State.APPLIED or not record.imported_before_activation:
                 continue
             record.stale_refs = {}
             for symbol in record.applied_targets:
@@ -296,7 +420,7 @@ class Runtime:
 
     def _fail(self, record: PatchRecord, exc: Exception, symbol: str | None) -> None:
         cause = str(exc) if isinstance(exc, (TargetNotFound, PatchError)) else f"{type(exc).__name__}: {exc}"
-        record.state, record.error = "failed", cause
+        record.state, record.error = State.FAILED, cause
         log.warning("patch %s failed: %s", record.name, cause)
         if self.settings.strict or record.decision.explicit:
             raise PatchError(f"patch {record.name} failed at {symbol or record.name}: {cause}",
@@ -312,20 +436,24 @@ class Runtime:
                 raise PatchError(f"npu_fsdp_patches is inactive: {self.config_error}")
             names = list(names) or [n for n, r in self.records.items() if r.decision.enabled]
             self._check_known(names)
-            failures = []
+            todo, refused = [], None
             for name in names:
                 record = self.records[name]
                 if name not in self._implementations:
-                    raise PatchError(f"patch {name} cannot be applied: {record.error}", patch=name)
+                    refused = PatchError(f"patch {name} cannot be applied: {record.error}", patch=name)
+                    break   # the names before it are still armed, as they always were
                 self._check_live(record)
-                if record.state == "applied":
+                if record.state == State.APPLIED:
                     continue
-                spec = self.matrix.patches[name]
-                _, unverified = verification(spec, self.frameworks, None)
-                record.decision = Decision(True, "requested by apply()", True, not unverified, unverified)
-                record.state, record.error, record.note = "pending", None, None
-                self._probed.discard(name)
-                failures.extend(self._arm(name))
+                record.decision = requested_by_apply(self.matrix.patches[name], self.frameworks)
+                record.state, record.error, record.note = State.PENDING, None, None
+                self._probed.pop(name, None)
+                todo.append(name)
+        self._register_hooks()
+        failures = [f for name in todo for f in self._arm(name)]   # patch code: no lock
+        if refused is not None:
+            raise refused
+        with self._lock:
             self._scan_stale(names)
             if failures:
                 raise failures[0]
@@ -335,15 +463,15 @@ class Runtime:
         with self._lock:
             self.ensure_prepared()
             names = list(names) or [n for n in self.records if self.registry.installed_for(n)
-                                    or self.records[n].state == "pending"]
+                                    or self.records[n].state == State.PENDING]
             self._check_known(names)
             for name in names:
                 record = self.records[name]
                 installed = self.registry.installed_for(name)
-                if not installed and record.state != "pending":
+                if not installed and record.state != State.PENDING:
                     continue   # never applied: nothing to restore, the state stays true
                 errors = [e for s in installed if (e := self.registry.restore(s))]
-                record.state, record.applied_targets, record.stale_refs = "reverted", [], {}
+                record.state, record.applied_targets, record.stale_refs = State.REVERTED, [], {}
                 record.error = "; ".join(errors) or None
                 log.info("patch %s reverted%s", name, f" ({record.error})" if record.error else "")
             return [self.records[n].as_dict() for n in names]
@@ -356,7 +484,7 @@ class Runtime:
 
     def _check_live(self, record: PatchRecord) -> None:
         """Make an ``applied`` record match the live targets (reload, overwrite, dropped module)."""
-        if record.state != "applied":
+        if record.state != State.APPLIED:
             return
         lost = {}
         for symbol in list(record.applied_targets):
@@ -369,7 +497,7 @@ class Runtime:
             for symbol in lost:
                 self.registry.forget(symbol)
                 record.applied_targets.remove(symbol)
-            record.state = "failed"
+            record.state = State.FAILED
             record.error = (f"no longer installed at {', '.join(lost)} (module reloaded or attribute replaced "
                             f"after apply); npu_fsdp_patches.apply({record.name!r}) applies it again")
             log.warning("patch %s: %s", record.name, record.error)
@@ -379,7 +507,9 @@ class Runtime:
             self.ensure_prepared()
             for record in self.records.values():
                 self._check_live(record)
-            return [r.as_dict() for r in self.records.values()]
+            records = [r.as_dict() for r in self.records.values()]
+        self._register_hooks()   # a module dropped from sys.modules is hooked again
+        return records
 
 
 RUNTIME = Runtime()

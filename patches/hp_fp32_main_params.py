@@ -16,40 +16,11 @@ inside the replacements only (the hook fires right after the trainer module is i
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
-from typing import Any
 
 from npu_fsdp_patches.patch import Patch
 
 _UPSTREAM_MODULE = "hyper_parallel.components.optim.mixed_precision_optimizer"
-
-
-def _fp32_main_params_on(config: Any) -> bool:
-    node = config.get("optimizer") if isinstance(config, dict) else getattr(config, "optimizer", None)
-    if node is None:
-        return False
-    return bool(node.get("fp32_main_params") if isinstance(node, dict)
-                else getattr(node, "fp32_main_params", False))
-
-
-class HpFp32MainParams(Patch):
-    name = "hp_fp32_main_params"
-
-    def upstream_has_wrapper(self) -> bool:
-        """True when hyper-parallel ships its own FP32 main-param wrapper (stand down)."""
-        try:
-            return importlib.util.find_spec(_UPSTREAM_MODULE) is not None
-        except ModuleNotFoundError:   # a parent package is missing
-            return False
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        attr = symbol.rsplit(".", 1)[-1]
-        factory = {"__init__": _init, "_build_optimizer": _build_optimizer,
-                   "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}.get(attr)
-        if factory is None:
-            raise ValueError(f"hp_fp32_main_params has no replacement for {symbol}")
-        return functools.wraps(original)(factory(original))
 
 
 def _init(original):
@@ -63,7 +34,8 @@ def _init(original):
 def _build_optimizer(original):
     def _build_optimizer(self, *args, **kwargs):
         optimizer = original(self, *args, **kwargs)
-        if not _fp32_main_params_on(self.config):
+        from npu_fsdp_patches.optim.model_dtype import fp32_main_params_enabled
+        if not fp32_main_params_enabled(self.config):
             return optimizer
         from npu_fsdp_patches.optim import MainParamsOptimizer
         return MainParamsOptimizer(optimizer, self.model)
@@ -75,7 +47,7 @@ def _routes_to_dcp(trainer) -> bool:
     DTensors stays on the trainer's own (hyper) checkpointer, which serializes the wrapper's
     FQN-keyed ``state_dict`` including the main params; torch DCP cannot shard hyper DTensors."""
     from npu_fsdp_patches.optim import MainParamsOptimizer
-    from npu_fsdp_patches.optim._tensors import is_foreign_dtensor
+    from npu_fsdp_patches.optim.tensors import is_foreign_dtensor
     return (isinstance(trainer.optimizer, MainParamsOptimizer)
             and not any(is_foreign_dtensor(p) for p in trainer.model.parameters()))
 
@@ -96,3 +68,16 @@ def _load_checkpoint(original):
         from npu_fsdp_patches.optim import load_checkpoint as load
         return load(path, self.model, self.optimizer, load_optimizer=kwargs.get("load_optimizer", True))
     return load_checkpoint
+
+
+class HpFp32MainParams(Patch):
+    name = "hp_fp32_main_params"
+    factories = {"__init__": _init, "_build_optimizer": _build_optimizer,
+                 "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}
+
+    def upstream_has_wrapper(self) -> bool:
+        """True when hyper-parallel ships its own FP32 main-param wrapper (stand down)."""
+        try:
+            return importlib.util.find_spec(_UPSTREAM_MODULE) is not None
+        except ModuleNotFoundError:   # a parent package is missing
+            return False

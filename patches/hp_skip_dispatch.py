@@ -20,7 +20,6 @@ other call, capturable/differentiable ones included, goes to the original untouc
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import inspect
 import sys
@@ -48,13 +47,38 @@ def _foreach_types() -> list:
     return getattr(module, REGISTRY_NAME, [])
 
 
+def routed_adam(original):
+    """Wrap torch's functional ``adam`` (or torch 2.6's ``adamw``) so hyper-DTensor steps under SkipDTensorDispatch go local."""
+    signature = inspect.signature(original)
+
+    def adam(*args, **kwargs):
+        if not skip_dispatch_active():
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        call = dict(bound.arguments)
+        params = call["params"]
+        hyper_types = {type(p) for p in params if _is_hyper_dtensor(p)}
+        if (not hyper_types or call["capturable"] or call["differentiable"]
+                or hyper_types <= set(_foreach_types())):
+            return original(*args, **kwargs)
+        from npu_fsdp_patches.optim.foreach_adamw import adam_on_local_shards  # pylint: disable=C0415
+        lists = [call.pop(name) for name in ("params", "grads", "exp_avgs", "exp_avg_sqs",
+                                              "max_exp_avg_sqs", "state_steps")]
+        return adam_on_local_shards(original, *lists, **call)
+
+    return adam
+
+
+def _is_hyper_dtensor(t: Any) -> bool:
+    from npu_fsdp_patches.optim.tensors import is_foreign_dtensor  # pylint: disable=C0415
+    return is_foreign_dtensor(t) and type(t).__module__.startswith("hyper_parallel.")
+
+
 class HpSkipDispatchAdamW(Patch):
     name = "hp_skip_dispatch_adamw"
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        if not symbol.startswith("torch.optim.") or not symbol.endswith((":adam", ":adamw")):
-            raise ValueError(f"{self.name} has no replacement for {symbol}")
-        return routed_adam(original)
+    #: torch >= 2.7 steps both Adam and AdamW through ``adam``; torch 2.6's AdamW through ``adamw``
+    factories = {"adam": routed_adam, "adamw": routed_adam}
 
     def upstream_registers_foreach_type(self) -> bool:
         """Stand down when hyper-parallel registers its DTensor in torch's foreach-supported types
@@ -77,33 +101,3 @@ class HpSkipDispatchAdamW(Patch):
                 if source.is_file() and REGISTRY_NAME in source.read_text(encoding="utf-8", errors="replace"):
                     return True
         return False
-
-
-def routed_adam(original):
-    """Wrap torch's functional ``adam`` (or torch 2.6's ``adamw``) so hyper-DTensor steps under SkipDTensorDispatch go local."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def adam(*args, **kwargs):
-        if not skip_dispatch_active():
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        call = dict(bound.arguments)
-        params = call["params"]
-        hyper_types = {type(p) for p in params if _is_hyper_dtensor(p)}
-        if (not hyper_types or call["capturable"] or call["differentiable"]
-                or hyper_types <= set(_foreach_types())):
-            return original(*args, **kwargs)
-        from npu_fsdp_patches.optim.foreach_adamw import adam_on_local_shards  # pylint: disable=C0415
-        lists = [call.pop(name) for name in ("params", "grads", "exp_avgs", "exp_avg_sqs",
-                                              "max_exp_avg_sqs", "state_steps")]
-        return adam_on_local_shards(original, *lists, **call)
-
-    adam.__npu_fsdp_patch__ = HpSkipDispatchAdamW.name
-    return adam
-
-
-def _is_hyper_dtensor(t: Any) -> bool:
-    from npu_fsdp_patches.optim._tensors import is_foreign_dtensor  # pylint: disable=C0415
-    return is_foreign_dtensor(t) and type(t).__module__.startswith("hyper_parallel.")

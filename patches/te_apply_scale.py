@@ -9,7 +9,9 @@ keeps its initial 1.0) and calls TE's original for every non-empty state.
 """
 from __future__ import annotations
 
-from .te_fused_adam import GraftPatch, _MODULE, unpatched
+from npu_fsdp_patches.patch import Patch, unpatched
+
+from .te_fused_adam import FUSED_ADAM_MODULE
 
 
 def _apply_scale(original):
@@ -20,7 +22,7 @@ def _apply_scale(original):
     return _apply_scale
 
 
-class TeFusedAdamEmptyScale(GraftPatch):
+class TeFusedAdamEmptyScale(Patch):
     name = "te_fused_adam_empty_scale"
     factories = {"_apply_scale": _apply_scale}
 
@@ -30,7 +32,7 @@ class TeFusedAdamEmptyScale(GraftPatch):
         from types import SimpleNamespace
 
         import torch
-        cls = importlib.import_module(_MODULE).FusedAdam
+        cls = importlib.import_module(FUSED_ADAM_MODULE).FusedAdam
         fn = unpatched(cls.__dict__["_apply_scale"])
         fake = SimpleNamespace(name_to_dtype_map={"exp_avg": torch.float16},
                                dtype_to_range_map={torch.float16: torch.full([1], 32752.0)})

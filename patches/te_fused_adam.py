@@ -17,15 +17,15 @@ the DTensor path through ``_initialize_state`` / ``set_scaled_state``.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
 
-from npu_fsdp_patches.patch import Patch
+from npu_fsdp_patches.patch import Patch, looks_like
 
-_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
+#: the module both FusedAdam patches' probes read the installed class from
+FUSED_ADAM_MODULE = "transformer_engine.pytorch.optimizers.fused_adam"
 
 
 def _is_dtensor(t) -> bool:
-    from npu_fsdp_patches.optim._tensors import is_torch_dtensor
+    from npu_fsdp_patches.optim.tensors import is_torch_dtensor
     return is_torch_dtensor(t)
 
 
@@ -87,10 +87,10 @@ def _get_unscaled_state(original):
             return get_unscaled(self, param, state_name, skip_unscale)
         if native_skip:
             return original(self, param, state_name, skip_unscale)
-        if skip_unscale:  # TE >= 2.14 semantics for a pre-2.14 class: bf16 comes back as stored
-            import torch
+        if skip_unscale:  # TE >= 2.13 semantics for an older class: bf16 comes back as stored
+            from npu_fsdp_patches.optim.fused_adam_state import unscale_skipped
             stored = self.state[param][state_name]
-            if stored.dtype == torch.bfloat16 == self.name_to_dtype_map[state_name]:
+            if unscale_skipped(stored, self.name_to_dtype_map[state_name], skip_unscale):
                 return stored
         return original(self, param, state_name)
     return get_unscaled_state
@@ -118,60 +118,29 @@ def _check_unsupported_param_type(original):
     return _check_unsupported_param_type
 
 
-_FACTORIES: dict = {
-    "step": _step, "state_dict": _state_dict, "load_state_dict": _load_state_dict,
-    "_initialize_state": _initialize_state, "get_unscaled_state": _get_unscaled_state,
-    "set_scaled_state": _set_scaled_state,
-    "_check_unsupported_param_type": _check_unsupported_param_type,
-}
+def _hooked_step(original):
+    """``step``, installed already hooked by torch's profiling / step-hook wrapper.
+
+    torch.optim.Optimizer.__init__ re-wraps an un-hooked ``cls.step`` with that wrapper
+    (``_patch_step_function``), which would bury the replacement under a foreign class attribute.
+    Installed hooked, around the un-hooked original, step hooks run exactly once and the class
+    attribute stays the object the core installed.
+    """
+    import torch
+    inner = original.__wrapped__ if getattr(original, "hooked", False) else original
+    hooked = torch.optim.Optimizer.profile_hook_step(looks_like(_step(inner), inner))
+    hooked.hooked = True
+    return hooked
 
 
-def graft(patch_name: str, method: str, original: Callable, factory: Callable) -> Any:
-    """Build a replacement function that looks like ``original`` and remembers it."""
-    fn = factory(original)
-    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-        if hasattr(original, attr):
-            setattr(fn, attr, getattr(original, attr))
-    fn._npu_fsdp_original = original
-    fn._npu_fsdp_patch = patch_name
-    return fn
-
-
-def unpatched(fn):
-    """The function a replacement stands for (follows our own marker only)."""
-    while hasattr(fn, "_npu_fsdp_original"):
-        fn = fn._npu_fsdp_original
-    return fn
-
-
-class GraftPatch(Patch):
-    """A patch whose replacements are declared: ``factories`` maps each target's method name to a
-    factory ``f(original) -> replacement``, and :func:`graft` marks what it returns."""
-    factories: dict = {}
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        method = symbol.rsplit(".", 1)[-1]
-        if method not in self.factories or not callable(original):
-            raise ValueError(f"{self.name}: no replacement for {symbol}")
-        return graft(self.name, method, original, self.factories[method])
-
-
-class TeFusedAdamDTensor(GraftPatch):
+class TeFusedAdamDTensor(Patch):
     name = "te_fused_adam_dtensor"
-    factories = _FACTORIES
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        if symbol.rsplit(".", 1)[-1] != "step" or not callable(original):
-            return super().replacement(symbol, original)
-        # torch.optim.Optimizer.__init__ re-wraps an un-hooked ``cls.step`` with its profiling /
-        # step-hook wrapper (``_patch_step_function``), which would bury this graft under a foreign
-        # class attribute. Install it already hooked, around the un-hooked original, so step hooks
-        # run exactly once and the class attribute stays the object the core installed.
-        import torch
-        inner = original.__wrapped__ if getattr(original, "hooked", False) else original
-        hooked = torch.optim.Optimizer.profile_hook_step(graft(self.name, "step", inner, _step))
-        hooked.hooked = True
-        return hooked
+    factories = {
+        "step": _hooked_step, "state_dict": _state_dict, "load_state_dict": _load_state_dict,
+        "_initialize_state": _initialize_state, "get_unscaled_state": _get_unscaled_state,
+        "set_scaled_state": _set_scaled_state,
+        "_check_unsupported_param_type": _check_unsupported_param_type,
+    }
 
     def upstream_handles_dtensor(self) -> bool:
         """True when the installed FusedAdam already keeps DTensor states (NVTE >= 2.14, fixed TENPU).
@@ -183,7 +152,7 @@ class TeFusedAdamDTensor(GraftPatch):
         evidence: it arrived one release earlier, in 2.13 (#2632), without the fix.
         """
         import importlib
-        cls = importlib.import_module(_MODULE).FusedAdam
+        cls = importlib.import_module(FUSED_ADAM_MODULE).FusedAdam
         try:
             source = inspect.getsource(cls)
         except (OSError, TypeError):  # no source shipped: assume the fix is missing

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import inspect
 
-from .te_fused_adam import GraftPatch, _MODULE, unpatched
+from npu_fsdp_patches.patch import Patch, unpatched
+
+from .te_fused_adam import FUSED_ADAM_MODULE
 
 
 def _initialize_state(original):
@@ -20,14 +22,14 @@ def _initialize_state(original):
     return initialize_state
 
 
-class TeInitializeStateCompat(GraftPatch):
+class TeInitializeStateCompat(Patch):
     name = "te_initialize_state_compat"
     factories = {"initialize_state": _initialize_state}
 
     def upstream_has_default(self) -> bool:
         """True when ``store_param_remainders`` is absent (TE < 2.1) or already has a default."""
         import importlib
-        cls = importlib.import_module(_MODULE).FusedAdam
+        cls = importlib.import_module(FUSED_ADAM_MODULE).FusedAdam
         fn = unpatched(cls.__dict__.get("initialize_state", cls.initialize_state))
         param = inspect.signature(fn).parameters.get("store_param_remainders")
         return param is None or param.default is not inspect.Parameter.empty

@@ -10,13 +10,13 @@ of the installed ``__call__`` and calls the original with the remaining slots.
 """
 from __future__ import annotations
 
-from .te_fused_adam import GraftPatch, unpatched
+from npu_fsdp_patches.patch import Patch, unpatched
 
 _MODULE = "transformer_engine.pytorch.optimizers.multi_tensor_apply"
 
 
 def _numel(t) -> int:
-    from npu_fsdp_patches.optim._tensors import is_torch_dtensor
+    from npu_fsdp_patches.optim.tensors import is_torch_dtensor
     return (t._local_tensor if is_torch_dtensor(t) else t).numel()
 
 
@@ -34,7 +34,7 @@ def _call(original):
     return __call__
 
 
-class TeMultiTensorApplyEmptyTail(GraftPatch):
+class TeMultiTensorApplyEmptyTail(Patch):
     name = "te_multi_tensor_apply_empty_tail"
     factories = {"__call__": _call}
 

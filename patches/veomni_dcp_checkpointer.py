@@ -20,8 +20,6 @@ from typing import Any
 
 from npu_fsdp_patches.patch import Patch
 
-_MODULE = "veomni.checkpoint.dcp_checkpointer"
-
 
 def main_params_refusal(action: str, path: Any, optimizer: Any) -> TypeError:
     """The error for ``DistributedCheckpointer.<action>`` handed a MainParamsOptimizer."""
@@ -45,26 +43,22 @@ def _is_main_params_optimizer(state: Any) -> bool:
     return isinstance(optimizer, MainParamsOptimizer)
 
 
-def _refusing(action: str, original: classmethod) -> classmethod:
+def _refusing(action: str, original: Any) -> classmethod:
+    """``DistributedCheckpointer.<action>`` (a classmethod) refusing a MainParamsOptimizer."""
+    if not isinstance(original, classmethod):
+        raise TypeError(f"veomni DistributedCheckpointer.{action} is {type(original).__name__}, "
+                        f"not the classmethod this patch wraps")
     function = original.__func__
 
-    @functools.wraps(function)
     def entry(cls, path, state, *args, **kwargs):
         if _is_main_params_optimizer(state):
             raise main_params_refusal(action, path, state["optimizer"])
         return function(cls, path, state, *args, **kwargs)
 
-    entry.__npu_fsdp_patch__ = VeomniDcpRefuseMainParams.name
     return classmethod(entry)
 
 
 class VeomniDcpRefuseMainParams(Patch):
     name = "veomni_dcp_refuse_main_params"
-
-    def replacement(self, symbol: str, original: Any) -> Any:
-        action = symbol.rsplit(".", 1)[-1]
-        if not symbol.startswith(_MODULE + ":") or action not in ("save", "load") \
-                or not isinstance(original, classmethod):
-            raise ValueError(f"{self.name} has no replacement for {symbol} "
-                             f"(expected the classmethods DistributedCheckpointer.save/load)")
-        return _refusing(action, original)
+    factories = {"save": functools.partial(_refusing, "save"),
+                 "load": functools.partial(_refusing, "load")}

@@ -141,3 +141,13 @@ emit(run=demo_target.Engine().run(1), greet_is_foreign=demo_target.greet is fore
 """)
     assert result["run"] == 2 and result["greet_is_foreign"] is True
     assert result["error"] == "demo_target:greet was replaced by someone else after apply; left alone"
+
+
+def test_states_are_an_enum_reported_as_their_plain_names():
+    from npu_fsdp_patches.decide import Decision
+    from npu_fsdp_patches.records import PatchRecord, State
+    record = PatchRecord("p", "s", Decision(False, "r"), [])
+    assert record.state is State.DISABLED and record.as_dict()["state"] == "disabled"
+    record.state = State.APPLIED
+    assert type(record.as_dict()["state"]) is str and f"{record.state:<8}|" == "applied |"
+    assert [s.value for s in State] == ["pending", "applied", "skipped", "failed", "disabled", "reverted"]

@@ -90,3 +90,11 @@ def test_prerelease_and_local_versions_match():
     cond = MATRIX.patches["shim"].gate[0][0]
     assert check_condition(cond, fw("mc", "0.18.0rc1"))[0] is True
     assert check_condition(MATRIX.patches["shim"].gate[0][1], fw("te", "2.13.0+npu"))[0] is True
+
+
+def test_apply_builds_its_explicit_decision_here_verified_over_every_gated_framework():
+    from npu_fsdp_patches.decide import requested_by_apply
+    d = requested_by_apply(MATRIX.patches["te_patch"], frameworks(te=fw("te", "2.10.1", "nvidia")))
+    assert d == (True, "requested by apply()", True, False, ("transformer-engine 2.10.1 (nvidia)",))
+    d = requested_by_apply(MATRIX.patches["shim"], frameworks())
+    assert (d.enabled, d.explicit, d.verified, d.unverified) == (True, True, True, ())

@@ -241,6 +241,7 @@ def test_version_and_help_without_rst_markup(tmp_path):
     assert (proc.returncode, proc.stdout.strip()) == (0, "npu-fsdp-patches 0.1.0")
     proc = _entry(tmp_path, "module", "-h")
     assert proc.returncode == 0 and "``" not in proc.stdout and "--version" in proc.stdout
+    assert "NPU_FSDP_PATCHES_DISABLE   comma list of patch names, or *: never apply these" in proc.stdout
 
 
 def test_doctor_wraps_long_warnings_instead_of_cutting_them_and_prints_each_once():

@@ -272,6 +272,16 @@ def test_validate_config():
         assert cfg["fsdp_config"]["mix_precision"] == mp          # never rewritten
 
 
+def test_fp32_main_params_is_read_from_mappings_and_attribute_configs_alike():
+    from types import SimpleNamespace
+    from npu_fsdp_patches.optim.model_dtype import fp32_main_params_enabled
+    assert fp32_main_params_enabled({"optimizer": {"fp32_main_params": True}})
+    assert fp32_main_params_enabled(SimpleNamespace(optimizer=SimpleNamespace(fp32_main_params=1)))
+    assert fp32_main_params_enabled(SimpleNamespace(optimizer={"fp32_main_params": True}))
+    for off in ({}, {"optimizer": None}, {"optimizer": {}}, SimpleNamespace(), {"optimizer": {"fp32_main_params": 0}}):
+        assert fp32_main_params_enabled(off) is False
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, "bfloat16", None])
 def test_apply_model_init_dtype(dtype):
     model = Net()

@@ -53,7 +53,7 @@ def test_dtensor_training_applies_the_patch_and_the_unpatched_class_fails_as_kno
 _PLAIN_BITWISE = """
 import torch, npu_fsdp_patches
 from transformer_engine.pytorch.optimizers import FusedAdam
-assert getattr(FusedAdam.step, "_npu_fsdp_patch", None) == "te_fused_adam_dtensor"
+assert getattr(FusedAdam.step, "__npu_fsdp_patch__", None) == "te_fused_adam_dtensor"
 
 def train(**kw):
     gen = torch.Generator().manual_seed(0)
@@ -70,10 +70,10 @@ def train(**kw):
 for kw in ({}, {"adam_w_mode": False}, {"exp_avg_dtype": torch.float16},
            {"master_weights": True, "exp_avg_sq_dtype": torch.bfloat16}):
     npu_fsdp_patches.revert("te_fused_adam_dtensor")
-    assert not hasattr(FusedAdam.step, "_npu_fsdp_patch")
+    assert not hasattr(FusedAdam.step, "__npu_fsdp_patch__")
     ref, ref_sd = train(**kw)
     npu_fsdp_patches.apply("te_fused_adam_dtensor")
-    assert FusedAdam.step._npu_fsdp_patch == "te_fused_adam_dtensor"
+    assert FusedAdam.step.__npu_fsdp_patch__ == "te_fused_adam_dtensor"
     got, got_sd = train(**kw)
     for a, b in zip(got, ref):
         assert torch.equal(a, b), kw

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
     _get_value,
 )
 
-from ._tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor
+from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor
 
 __all__ = ["foreach_adamw_step", "adam_on_local_shards", "torch_dtensor_implementation"]
 

@@ -16,9 +16,8 @@ from itertools import chain
 
 import torch
 
-from ._tensors import is_torch_dtensor
-from .fused_adam_state import (STATE_NAMES, describe, get_unscaled, local, set_scaled,
-                               uses_remainders, wrap_like)
+from .fused_adam_state import STATE_NAMES, describe, get_unscaled, set_scaled, uses_remainders, wrap_like
+from .tensors import is_torch_dtensor, local_tensor
 
 
 def _flat(groups):
@@ -50,7 +49,7 @@ def _local_piece(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def _saved_to_local(opt, param, name: str, value: torch.Tensor) -> torch.Tensor:
     """One saved state as a tensor shaped like ``param``'s local shard, on its device."""
-    loc = local(param)
+    loc = local_tensor(param)
     if is_torch_dtensor(param):
         if is_torch_dtensor(value):
             if value.shape != param.shape:

@@ -17,11 +17,11 @@ E4M3 range 448.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from ._tensors import is_foreign_dtensor, is_torch_dtensor, torch_dtensor_type
+from .tensors import PLAIN_TYPES, is_foreign_dtensor, is_torch_dtensor, local_tensor, torch_dtensor_type
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,11 +30,6 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 # ----------------------------------------------------------------------------- layout
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a torch DTensor (no autograd hop), else ``t``."""
-    return t._local_tensor if is_torch_dtensor(t) else t
-
 
 def wrap_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Re-wrap a local state tensor with ``param``'s mesh, placements, global shape and stride."""
@@ -68,36 +63,59 @@ def describe(opt, param: torch.Tensor) -> str:
     return f"{where} ({kind}, dtype={param.dtype})"
 
 
+class DTensorRules(NamedTuple):
+    """What the optimizer's configuration rules out for every DTensor param (read once per step)."""
+
+    fp8_moment: Optional[str]   # the first moment stored as uint8 (FP8), if any
+    no_bf16: bool               # master weights kept as int16 remainders of bf16 params
+    capturable: bool
+
+
+def dtensor_rules(opt) -> DTensorRules:
+    fp8 = next((n for n in ("exp_avg", "exp_avg_sq") if state_dtype(opt, n) == torch.uint8), None)
+    return DTensorRules(fp8, bool(opt.master_weights and opt.store_param_remainders), bool(opt.capturable))
+
+
+def dtensor_problem(opt, param: torch.Tensor, rules: DTensorRules) -> Optional[Exception]:
+    """Why the DTensor path cannot step the torch DTensor ``param``, as the error to raise, or None.
+
+    The one predicate behind both :func:`check_dtensor_param` and the step's per-param check
+    (docs/te_fused_adam.md#rfc-331-supported-types).
+    """
+    partial = next((pl for pl in param._spec.placements if pl.is_partial()), None)
+    if partial is not None:
+        return RuntimeError(f"FusedAdam: {describe(opt, param)} has Partial placement {partial}; "
+                            "reduce it to Shard/Replicate before the optimizer step")
+    loc = param._local_tensor
+    if type(loc) not in PLAIN_TYPES:
+        return RuntimeError(f"FusedAdam: {describe(opt, param)} wraps a quantized local tensor "
+                            f"({type(loc).__name__}); quantized params are not supported on DTensor")
+    if loc.dtype not in FLOAT_DTYPES:
+        return RuntimeError(f"FusedAdam: {describe(opt, param)} has local dtype {loc.dtype}; the "
+                            "DTensor path supports fp32, fp16 and bf16 params")
+    if rules.fp8_moment is not None:
+        return RuntimeError(f"FusedAdam: {rules.fp8_moment}_dtype=torch.uint8 (FP8 moments) is not "
+                            f"supported for DTensor {describe(opt, param)}")
+    if rules.no_bf16 and loc.dtype == torch.bfloat16:
+        return RuntimeError(f"FusedAdam: store_param_remainders is not supported for DTensor "
+                            f"{describe(opt, param)}; construct the optimizer with "
+                            "store_param_remainders=False")
+    if rules.capturable:
+        return RuntimeError(f"FusedAdam: capturable=True is not supported for DTensor "
+                            f"{describe(opt, param)}")
+    return None
+
+
 def check_dtensor_param(opt, param: torch.Tensor) -> None:
-    """Reject what the DTensor path does not support (docs/te_fused_adam.md#rfc-331-supported-types), naming
-    the param and the reason."""
+    """Reject what the DTensor path does not support, naming the param and the reason."""
     if is_foreign_dtensor(param):
         raise TypeError(f"FusedAdam: {describe(opt, param)} is a non-torch DTensor "
                         f"({type(param).__name__}); only torch.distributed.tensor.DTensor is supported")
     if not is_torch_dtensor(param):
         return
-    partial = [pl for pl in param.placements if pl.is_partial()]
-    if partial:
-        raise RuntimeError(f"FusedAdam: {describe(opt, param)} has Partial placement {partial[0]}; "
-                           "reduce it to Shard/Replicate before the optimizer step")
-    loc = param._local_tensor
-    if type(loc) not in (torch.Tensor, torch.nn.Parameter):
-        raise RuntimeError(f"FusedAdam: {describe(opt, param)} wraps a quantized local tensor "
-                           f"({type(loc).__name__}); quantized params are not supported on DTensor")
-    if loc.dtype not in FLOAT_DTYPES:
-        raise RuntimeError(f"FusedAdam: {describe(opt, param)} has local dtype {loc.dtype}; the "
-                           "DTensor path supports fp32, fp16 and bf16 params")
-    for name in ("exp_avg", "exp_avg_sq"):
-        if state_dtype(opt, name) == torch.uint8:
-            raise RuntimeError(f"FusedAdam: {name}_dtype=torch.uint8 (FP8 moments) is not "
-                               f"supported for DTensor {describe(opt, param)}")
-    if opt.master_weights and uses_remainders(opt, param):
-        raise RuntimeError(f"FusedAdam: store_param_remainders is not supported for DTensor "
-                           f"{describe(opt, param)}; construct the optimizer with "
-                           "store_param_remainders=False")
-    if opt.capturable:
-        raise RuntimeError(f"FusedAdam: capturable=True is not supported for DTensor "
-                           f"{describe(opt, param)}")
+    problem = dtensor_problem(opt, param, dtensor_rules(opt))
+    if problem is not None:
+        raise problem
 
 
 def check_grad(opt, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -156,7 +174,7 @@ def _decode(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 def init_state(opt, param: torch.Tensor, name: str, zero: bool, remainders: bool = False) -> None:
     """Allocate one state on the param's local shard and store it re-wrapped (NVTE >= 2.14 layout)."""
     check_dtensor_param(opt, param)
-    loc = local(param).detach()
+    loc = local_tensor(param).detach()
     dtype = state_dtype(opt, name)
     if remainders:
         data = torch.zeros_like(loc, dtype=torch.int16)
@@ -174,7 +192,7 @@ def get_unscaled(opt, param: torch.Tensor, name: str, skip_unscale: bool = False
     A bf16 state with ``skip_unscale`` comes back as the stored local bf16 tensor; the int16 master
     remainder of a bf16 param comes back raw (NVTE semantics).
     """
-    stored = local(opt.state[param][name])
+    stored = local_tensor(opt.state[param][name])
     dtype = state_dtype(opt, name)
     if name == "master_param" and stored.dtype == torch.int16:
         return stored
@@ -183,28 +201,35 @@ def get_unscaled(opt, param: torch.Tensor, name: str, skip_unscale: bool = False
                            f"{stored.dtype}, expected {dtype}")
     if dtype == torch.float32:
         return stored
+    if unscale_skipped(stored, dtype, skip_unscale):
+        return stored
     if dtype == torch.bfloat16:
-        return stored if skip_unscale else stored.float()
+        return stored.float()
     if dtype in (torch.float16, torch.uint8):
         return _decode(stored, opt._scales[param][name], dtype)
     raise RuntimeError(f"Dtype of {name} can only be fp8/fp16/bf16/fp32.")
 
 
+def unscale_skipped(stored: torch.Tensor, dtype: torch.dtype, skip_unscale: bool) -> bool:
+    """TE >= 2.13 ``get_unscaled_state(..., skip_unscale=True)``: a bf16 state comes back as stored."""
+    return bool(skip_unscale) and dtype == torch.bfloat16 == stored.dtype
+
+
 def set_scaled(opt, param: torch.Tensor, name: str, unscaled: torch.Tensor) -> None:
     """Store an unscaled fp32 value (or the int16 remainder) into the state, scaling as configured."""
-    value = local(unscaled) if is_torch_dtensor(unscaled) else unscaled
+    value = local_tensor(unscaled) if is_torch_dtensor(unscaled) else unscaled
     remainders = name == "master_param" and uses_remainders(opt, param)
     expected = torch.int16 if remainders else torch.float32
     if value.dtype != expected:
         raise TypeError(f"FusedAdam.set_scaled_state: {name} of {describe(opt, param)} must be "
                         f"given as {expected}, got {value.dtype}")
-    loc_shape = local(param).shape
+    loc_shape = local_tensor(param).shape
     if value.shape != loc_shape:
         raise RuntimeError(f"FusedAdam.set_scaled_state: {name} of {describe(opt, param)} has "
                            f"shape {tuple(value.shape)}, expected the local shape {tuple(loc_shape)}")
     if name not in opt.state[param]:
         init_state(opt, param, name, zero=False, remainders=remainders)
-    stored = local(opt.state[param][name])
+    stored = local_tensor(opt.state[param][name])
     dtype = state_dtype(opt, name)
     if remainders or dtype == torch.float32:
         stored.copy_(value)
@@ -242,4 +267,4 @@ def initialize(opt, param: torch.Tensor, store_param_remainders: Optional[bool] 
     if opt.master_weights:
         init_state(opt, param, "master_param", zero=False, remainders=remainders)
         if not remainders:
-            set_scaled(opt, param, "master_param", local(param).detach().clone().float())
+            set_scaled(opt, param, "master_param", local_tensor(param).detach().clone().float())

@@ -21,13 +21,11 @@ from typing import List
 
 import torch
 
-from ._tensors import (PLAIN_TYPES, contiguous_operands, copy_back, is_foreign_dtensor,
-                       torch_dtensor_type)
-from .fused_adam_state import (FLOAT_DTYPES, check_dtensor_param, check_grad, get_unscaled,
-                               initialize, local, set_scaled, state_dtype)
+from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor, torch_dtensor_type
+from .fused_adam_state import (check_dtensor_param, check_grad, dtensor_problem, dtensor_rules, get_unscaled,
+                               initialize, set_scaled, state_dtype)
 
 _F32 = torch.float32
-_DT_DTYPES = frozenset(FLOAT_DTYPES)
 
 
 def _fused_devices() -> List[str]:
@@ -63,7 +61,7 @@ def adamw_kernel(ws, gs, ms, vs, *, step: int, lr: float, beta1: float, beta2: f
                  weight_decay: float, adam_w_mode: bool, bias_correction: bool) -> None:
     """Update fp32 lists ``ws``/``ms``/``vs`` in place from ``gs``; ``gs`` is never modified.
     Any memory layout works: non-contiguous operands are stepped as contiguous copies
-    (:func:`~._tensors.contiguous_operands`)."""
+    (:func:`~.tensors.contiguous_operands`)."""
     if not ws:
         return
     (ws, gs, ms, vs), write_back = contiguous_operands([ws, gs, ms, vs], read_only=(1,))
@@ -125,9 +123,7 @@ def _step_group(opt, group: dict) -> None:
                  weight_decay=group["weight_decay"], adam_w_mode=bool(opt.adam_w_mode),
                  bias_correction=bool(group.get("bias_correction", True)))
     moments_fp32 = state_dtype(opt, "exp_avg") == _F32 and state_dtype(opt, "exp_avg_sq") == _F32
-    # per-step, not per-param: the configuration the DTensor path must reject
-    dt_config_bad = torch.uint8 in (state_dtype(opt, "exp_avg"), state_dtype(opt, "exp_avg_sq"))
-    dt_no_bf16 = bool(opt.master_weights and opt.store_param_remainders)
+    rules = dtensor_rules(opt)   # per step, not per param: what the configuration rules out
     dtensor_cls = torch_dtensor_type()
     direct = ([], [], [], [])
     low = []
@@ -135,10 +131,9 @@ def _step_group(opt, group: dict) -> None:
         grad = _grad_of(opt, p)
         if dtensor_cls is not None and isinstance(p, dtensor_cls):
             pl = p._local_tensor
-            if (dt_config_bad or pl.dtype not in _DT_DTYPES or type(pl) not in PLAIN_TYPES
-                    or (dt_no_bf16 and pl.dtype == torch.bfloat16)
-                    or any(pl_.is_partial() for pl_ in p._spec.placements)):
-                check_dtensor_param(opt, p)  # raises, naming the param and the reason
+            problem = dtensor_problem(opt, p, rules)
+            if problem is not None:
+                raise problem   # names the param and the reason
             if grad is None:
                 continue
             if (isinstance(grad, dtensor_cls) and not grad.is_sparse
@@ -181,7 +176,7 @@ def _low_precision(opt, items, hyper) -> None:
         if pl.dtype == _F32:
             w = pl
         elif opt.master_weights:
-            rem_state = local(state["master_param"])
+            rem_state = local_tensor(state["master_param"])
             if rem_state.dtype == torch.int16:
                 rem, w = rem_state, merge_remainders(pl, rem_state)
             else:
@@ -215,8 +210,8 @@ def _refresh_fp32_masters(opt, group) -> None:
     for p in group["params"]:
         state = opt.state.get(p)
         if (state and "master_param" in state and p.dtype == _F32 and _grad_of(opt, p) is not None
-                and local(p).numel()):
-            set_scaled(opt, p, "master_param", local(p).detach().clone())
+                and local_tensor(p).numel()):
+            set_scaled(opt, p, "master_param", local_tensor(p).detach().clone())
 
 
 def adam_step(opt, closure=None, grad_scaler=None):

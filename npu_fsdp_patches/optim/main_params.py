@@ -33,7 +33,7 @@ from ._leaf_views import LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_params_state import leaf_state_dict_by_fqn, load_leaf_state_dicts
 from ._param_identity import stale_param_references
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
-from ._tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
+from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
 
 MP_KEY = "_mixed_precision_optimizer"
 MAIN_PARAMS_KEY = "fp32_from_fp16_params"

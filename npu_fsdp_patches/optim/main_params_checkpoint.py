@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ._tensors import is_foreign_dtensor
+from .tensors import is_foreign_dtensor
 from .main_params import MAIN_PARAMS_KEY, MP_KEY, MainParamsOptimizer, raise_partial_main_params
 
 __all__ = ["save_checkpoint", "load_checkpoint"]

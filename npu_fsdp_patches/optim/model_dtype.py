@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ._tensors import is_any_dtensor
+from .tensors import is_any_dtensor
 
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -36,13 +36,18 @@ def _as_dtype(value: Any, what: str) -> torch.dtype | None:
     raise ValueError(f"{what}={value!r} is not a dtype; use float16, bfloat16, float32 or null")
 
 
+def fp32_main_params_enabled(config: Any) -> bool:
+    """``optimizer.fp32_main_params`` of a trainer config (mapping or attribute object); the one reader."""
+    return bool(_get(_get(config, "optimizer"), "fp32_main_params"))
+
+
 def validate_fp32_main_params_config(config: Any) -> None:
     """Raise ``ValueError`` when ``optimizer.fp32_main_params`` is on without fp32 reduction.
 
     ``config`` is the trainer config as a mapping (or attribute object). The error names both
     ``optimizer.fp32_main_params`` and ``fsdp_config.mix_precision.reduce_dtype``.
     """
-    if not _get(_get(config, "optimizer"), "fp32_main_params"):
+    if not fp32_main_params_enabled(config):
         return
     reduce_dtype = _get(_get(_get(config, "fsdp_config"), "mix_precision"), "reduce_dtype")
     try:

@@ -8,7 +8,7 @@ from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from torch import nn
 
 from npu_fsdp_patches.optim import MainParamsOptimizer, load_checkpoint, save_checkpoint
-from npu_fsdp_patches.optim._tensors import local_tensor
+from npu_fsdp_patches.optim.tensors import local_tensor
 from tests.support import bit_mismatches
 
 MESH = hp.init_device_mesh("cpu", (1,))

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer, foreach_adamw_step
-from npu_fsdp_patches.optim.fused_adam_state import local, wrap_like
+from npu_fsdp_patches.optim.fused_adam_state import wrap_like
+from npu_fsdp_patches.optim.tensors import local_tensor
 from tests.multirank.dtensors import distribute_same
 from tests.support import Checks
 
@@ -61,7 +62,7 @@ def restride_states(opt, param, names, layout: str) -> None:
     """Swap the param's state tensors for copies with ``layout`` (same values, new strides)."""
     for name in names:
         state = opt.state[param][name]
-        opt.state[param][name] = wrap_like(param, restride(local(state), layout)) \
+        opt.state[param][name] = wrap_like(param, restride(local_tensor(state), layout)) \
             if isinstance(param, DTensor) else restride(state, layout)
 
 

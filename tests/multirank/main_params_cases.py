@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, load_checkpoint,
                                     save_checkpoint, validate_fp32_main_params_config)
-from npu_fsdp_patches.optim._tensors import local_tensor
+from npu_fsdp_patches.optim.tensors import local_tensor
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw
 from npu_fsdp_patches.selftest.checks.main_params import DIM, SEQ, VOCAB, TinyLM as SelfTestLM
 from tests.support import bit_mismatches

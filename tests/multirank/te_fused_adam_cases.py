@@ -69,7 +69,7 @@ def te_patch_cases(rank: int, world: int):
     def patched_matches_standalone_and_reference():
         TE = te_module.FusedAdam
         assert TE is BoundBefore, "the class object was replaced"
-        assert getattr(TE.step, "_npu_fsdp_patch", None) == PATCH, "step is not the graft"
+        assert getattr(TE.step, "__npu_fsdp_patch__", None) == PATCH, "step is not the replacement"
         for kw in (dict(), dict(master_weights=True, decoupled=True, grad_dtype=torch.float32),
                    dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.bfloat16)):
             dtype = torch.bfloat16 if kw.get("master_weights") else torch.float32
