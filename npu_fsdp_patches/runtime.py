@@ -191,10 +191,14 @@ class Runtime:
                 self._hook(module)
             imported = [m for m in modules if m not in record.waiting_for]
         self._register_hooks()
+        return self._apply_on_import((name, module) for module in imported)
+
+    def _apply_on_import(self, pairs) -> list:
+        """:meth:`on_import` for each (patch, module) pair; the PatchErrors it raised, in order."""
         failures = []
-        for module in imported:
+        for patch, module in pairs:
             try:
-                self.on_import(name, module)
+                self.on_import(patch, module)
             except PatchError as exc:
                 failures.append(exc)
         return failures
@@ -240,12 +244,7 @@ class Runtime:
             touched = [patch for patch, record in self.records.items()
                        if record.state in (State.PENDING, State.APPLIED)
                        and name in self.matrix.patches[patch].target_modules]
-        failures = []
-        for patch in touched:
-            try:
-                self.on_import(patch, name)
-            except PatchError as exc:
-                failures.append(exc)
+        failures = self._apply_on_import((patch, name) for patch in touched)
         with self._lock:
             self._scan_stale(touched)
             if failures:   # raising fails this import, and importlib drops the module: re-arm for a retry

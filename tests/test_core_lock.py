@@ -54,13 +54,20 @@ class Waits(Patch):
 '''
 
 
-def test_probe_and_factory_run_outside_the_runtime_lock(tmp_path):
+def _third_party_site(tmp_path, module: str, code: str, patch: str, cls: str):
+    """The core demo site plus a third-party distribution whose entry point registers ``patch``."""
     site = install_fixture("core_demo", tmp_path)
-    (site / "waiting_patches.py").write_text(PATCHES)
-    info = site / "waiting_patches-1.0.dist-info"
+    (site / f"{module}.py").write_text(code)
+    info = site / f"{module}-1.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: waiting-patches\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[npu_fsdp_patches.patches]\ndemo_waits = waiting_patches:Waits\n")
+    dist = module.replace("_", "-")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[npu_fsdp_patches.patches]\n{patch} = {module}:{cls}\n")
+    return site
+
+
+def test_probe_and_factory_run_outside_the_runtime_lock(tmp_path):
+    _third_party_site(tmp_path, "waiting_patches", PATCHES, "demo_waits", "Waits")
     (tmp_path / "waits.yaml").write_text(MATRIX)
     result, _ = run_demo(tmp_path, """
 import npu_fsdp_patches, demo_target, waiting_patches
@@ -95,12 +102,7 @@ class Changes(Patch):
 
 
 def test_a_target_that_changes_while_its_replacement_is_built_is_built_again(tmp_path):
-    site = install_fixture("core_demo", tmp_path)
-    (site / "changing_patches.py").write_text(CHANGING)
-    info = site / "changing_patches-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: changing-patches\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[npu_fsdp_patches.patches]\ndemo_changes = changing_patches:Changes\n")
+    _third_party_site(tmp_path, "changing_patches", CHANGING, "demo_changes", "Changes")
     (tmp_path / "changes.yaml").write_text(MATRIX.replace("demo_waits", "demo_changes").replace(
         "    stand_down_probe: waits_for_status_in_another_thread\n", ""))
     result, _ = run_demo(tmp_path, """
