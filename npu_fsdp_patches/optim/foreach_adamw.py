@@ -31,7 +31,8 @@ from torch.optim.optimizer import (
     _get_value,
 )
 
-from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor
+from .tensors import (PLAIN_TYPES, contiguous_operands, copy_back, is_foreign_dtensor, local_tensor,
+                       torch_dtensor_type)
 
 __all__ = ["foreach_adamw_step", "adam_on_local_shards", "torch_dtensor_implementation"]
 
@@ -73,7 +74,7 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
             lists, has_complex = _init_group(optimizer, group, index)
             beta1, beta2 = group["betas"]
             fused = bool(group.get("fused"))
-            adam_on_local_shards(
+            _adam_on_locals(
                 functional, *lists,
                 foreach=not fused, fused=fused, capturable=False, differentiable=False,
                 grad_scale=getattr(optimizer, "grad_scale", None) if fused else None,
@@ -112,22 +113,37 @@ def adam_on_local_shards(adam_fn: Callable[..., None], params: list, grads: list
     a tensor lr/beta is passed as its Python value (torch's foreach path rejects tensors there).
     The fused kernel gets contiguous operands (copied back after), whatever the shards' layout.
     """
-    local_params = [local_tensor(p) for p in params]
+    _adam_on_locals(adam_fn, *[_local_shards(ts) for ts in (params, grads, exp_avgs, exp_avg_sqs,
+                                                           max_exp_avg_sqs)],
+                    list(state_steps), foreach=foreach, fused=fused, **kwargs)
+
+
+def _adam_on_locals(adam_fn: Callable[..., None], params: list, grads: list, exp_avgs: list,
+                    exp_avg_sqs: list, max_exp_avg_sqs: list, state_steps: list, *,
+                    foreach: Optional[bool], fused: Optional[bool], **kwargs: Any) -> None:
+    """:func:`adam_on_local_shards` on lists that already hold local tensors (``state_steps`` a fresh list)."""
     implementation = torch_dtensor_implementation(
-        local_params, foreach=foreach, fused=fused, lr=kwargs.get("lr"),
+        params, foreach=foreach, fused=fused, lr=kwargs.get("lr"),
         capturable=kwargs.get("capturable", False), differentiable=kwargs.get("differentiable", False))
     if implementation == "foreach" and not kwargs.get("capturable", False):
         for name in ("lr", "beta1", "beta2"):
             if isinstance(kwargs.get(name), Tensor):
                 kwargs[name] = _get_value(kwargs[name])
-    lists = [local_params] + [[local_tensor(t) for t in ts]
-                              for ts in (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)]
+    lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
     write_back = []
     if implementation == "fused":   # torch's fused kernels pair elements by memory position
         lists, write_back = contiguous_operands(lists, read_only=(1,))
-    adam_fn(*lists, list(state_steps), foreach=implementation == "foreach",
+    adam_fn(*lists, state_steps, foreach=implementation == "foreach",
             fused=implementation == "fused", **kwargs)
     copy_back(write_back)
+
+
+def _local_shards(tensors: list) -> list:
+    """``[local_tensor(t) for t in tensors]``, with torch's DTensor class looked up once: the per-tensor
+    lookup was most of this module's per-step Python overhead on 400-param groups."""
+    dtensor = torch_dtensor_type()
+    return [t if type(t) in PLAIN_TYPES else t._local_tensor if type(t) is dtensor else local_tensor(t)
+            for t in tensors]
 
 
 def torch_dtensor_implementation(local_params: list, *, foreach: Optional[bool], fused: Optional[bool],
@@ -145,24 +161,30 @@ def torch_dtensor_implementation(local_params: list, *, foreach: Optional[bool],
 
 
 def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tuple[tuple, bool]:
-    """Collect the group's params with grads and their state, creating state the way torch's
-    ``Adam._init_group`` does (torch/optim/adam.py): state tensors are ``zeros_like`` the param
-    (a torch DTensor for torch DTensor params; the local shard for hyper params, as torch creates it
-    under ``SkipDTensorDispatch``), ``step`` a CPU scalar unless fused."""
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+    """Collect the *local shards* of the group's params with grads and of their state, creating state
+    the way torch's ``Adam._init_group`` does (torch/optim/adam.py): state tensors are ``zeros_like``
+    the param (a torch DTensor for torch DTensor params; the local shard for hyper params, as torch
+    creates it under ``SkipDTensorDispatch``), ``step`` a CPU scalar unless fused. This runs per param
+    on every step, so tensors are unwrapped list by list (:func:`_local_shards`)."""
+    params, grads = [], []
+    for p in group["params"]:
+        grad = p.grad   # read once: on a DTensor param this attribute costs about 1 us
+        if grad is not None:
+            params.append(p)
+            grads.append(grad)
+    local_params, local_grads = _local_shards(params), _local_shards(grads)
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
     has_complex = False
-    fused = bool(group.get("fused"))
-    for position, p in enumerate(group["params"]):
-        if p.grad is None:
-            continue
-        local_p, local_g = local_tensor(p), local_tensor(p.grad)
+    fused, amsgrad, state_of = bool(group.get("fused")), group["amsgrad"], optimizer.state
+    for p, local_p, local_g in zip(params, local_params, local_grads):
         if local_g.is_sparse:
             raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
         if local_g.shape != local_p.shape:
+            position = next(i for i, q in enumerate(group["params"]) if q is p)
             raise RuntimeError(f"param_groups[{index}]['params'][{position}]: grad local shape "
                                f"{tuple(local_g.shape)} differs from the param's {tuple(local_p.shape)}")
         has_complex |= torch.is_complex(local_p)
-        state = optimizer.state[p]
+        state = state_of[p]
         if len(state) == 0:
             template = local_p if is_foreign_dtensor(p) else p
             if fused:
@@ -171,14 +193,12 @@ def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tu
                              if fused else torch.tensor(0.0, dtype=_get_scalar_dtype()))
             state["exp_avg"] = torch.zeros_like(template, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(template, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
+            if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(template, memory_format=torch.preserve_format)
-        params.append(p)
-        grads.append(p.grad)
         exp_avgs.append(state["exp_avg"])
         exp_avg_sqs.append(state["exp_avg_sq"])
-        if group["amsgrad"]:
+        if amsgrad:
             max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         steps.append(state["step"])
-    return (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), has_complex
-
+    return (local_params, local_grads, _local_shards(exp_avgs), _local_shards(exp_avg_sqs),
+            _local_shards(max_exp_avg_sqs), steps), has_complex
