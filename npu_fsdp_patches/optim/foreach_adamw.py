@@ -31,8 +31,7 @@ from torch.optim.optimizer import (
     _get_value,
 )
 
-from .tensors import (PLAIN_TYPES, contiguous_operands, copy_back, is_foreign_dtensor, local_tensor,
-                       torch_dtensor_type)
+from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensors
 
 __all__ = ["foreach_adamw_step", "adam_on_local_shards", "torch_dtensor_implementation"]
 
@@ -113,8 +112,8 @@ def adam_on_local_shards(adam_fn: Callable[..., None], params: list, grads: list
     a tensor lr/beta is passed as its Python value (torch's foreach path rejects tensors there).
     The fused kernel gets contiguous operands (copied back after), whatever the shards' layout.
     """
-    _adam_on_locals(adam_fn, *[_local_shards(ts) for ts in (params, grads, exp_avgs, exp_avg_sqs,
-                                                           max_exp_avg_sqs)],
+    _adam_on_locals(adam_fn, *[local_tensors(ts) for ts in (params, grads, exp_avgs, exp_avg_sqs,
+                                                            max_exp_avg_sqs)],
                     list(state_steps), foreach=foreach, fused=fused, **kwargs)
 
 
@@ -138,14 +137,6 @@ def _adam_on_locals(adam_fn: Callable[..., None], params: list, grads: list, exp
     copy_back(write_back)
 
 
-def _local_shards(tensors: list) -> list:
-    """``[local_tensor(t) for t in tensors]``, with torch's DTensor class looked up once: the per-tensor
-    lookup was most of this module's per-step Python overhead on 400-param groups."""
-    dtensor = torch_dtensor_type()
-    return [t if type(t) in PLAIN_TYPES else t._local_tensor if type(t) is dtensor else local_tensor(t)
-            for t in tensors]
-
-
 def torch_dtensor_implementation(local_params: list, *, foreach: Optional[bool], fused: Optional[bool],
                                  lr: Any = None, capturable: bool = False,
                                  differentiable: bool = False) -> str:
@@ -165,14 +156,14 @@ def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tu
     the way torch's ``Adam._init_group`` does (torch/optim/adam.py): state tensors are ``zeros_like``
     the param (a torch DTensor for torch DTensor params; the local shard for hyper params, as torch
     creates it under ``SkipDTensorDispatch``), ``step`` a CPU scalar unless fused. This runs per param
-    on every step, so tensors are unwrapped list by list (:func:`_local_shards`)."""
+    on every step, so tensors are unwrapped list by list (:func:`local_tensors`)."""
     params, grads = [], []
     for p in group["params"]:
         grad = p.grad   # read once: on a DTensor param this attribute costs about 1 us
         if grad is not None:
             params.append(p)
             grads.append(grad)
-    local_params, local_grads = _local_shards(params), _local_shards(grads)
+    local_params, local_grads = local_tensors(params), local_tensors(grads)
     exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
     has_complex = False
     fused, amsgrad, state_of = bool(group.get("fused")), group["amsgrad"], optimizer.state
@@ -200,5 +191,5 @@ def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tu
         if amsgrad:
             max_exp_avg_sqs.append(state["max_exp_avg_sq"])
         steps.append(state["step"])
-    return (local_params, local_grads, _local_shards(exp_avgs), _local_shards(exp_avg_sqs),
-            _local_shards(max_exp_avg_sqs), steps), has_complex
+    return (local_params, local_grads, local_tensors(exp_avgs), local_tensors(exp_avg_sqs),
+            local_tensors(max_exp_avg_sqs), steps), has_complex

@@ -33,7 +33,7 @@ from ._leaf_views import LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_params_state import leaf_state_dict_by_fqn, load_leaf_state_dicts
 from ._param_identity import stale_param_references
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
-from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
+from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
 
 MP_KEY = "_mixed_precision_optimizer"
 MAIN_PARAMS_KEY = "fp32_from_fp16_params"
@@ -331,8 +331,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         """Copy local shard to local shard between model and main params, in either direction."""
         pairs = list(self._low_precision_pairs())
         if pairs:
-            models = [local_tensor(m) for m, _ in pairs]
-            mains = [local_tensor(f) for _, f in pairs]
+            models = local_tensors(m for m, _ in pairs)
+            mains = local_tensors(f for _, f in pairs)
             torch._foreach_copy_(*((models, mains) if to_model else (mains, models)))
 
     def _copy_main_params_to_model_params(self) -> None:

@@ -48,6 +48,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def local_tensors(tensors) -> list:
+    """``[local_tensor(t) for t in tensors]`` with torch's DTensor class looked up once: on hot paths
+    over hundreds of params, the per-tensor lookup is most of the Python overhead."""
+    dtensor = torch_dtensor_type()
+    return [t if type(t) in PLAIN_TYPES else t._local_tensor if type(t) is dtensor else local_tensor(t)
+            for t in tensors]
+
+
 def contiguous_operands(lists: list, read_only: tuple = ()) -> tuple:
     """``lists`` with every non-contiguous tensor replaced by a contiguous copy, and the
     ``(original, copy)`` pairs to copy back after an in-place kernel (lists in ``read_only``

@@ -36,12 +36,17 @@ class Context:
         return self.tensor(10_000 * step + index, shape, dtype, span=10.0)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """``full``, identical on every rank, as a Shard(0) DTensor over the mesh, with no collective: each
-        rank cuts its own piece (torch 2.6's ``distribute_tensor`` has no ``src_data_rank`` and always
-        scatters, which would leave the other ranks waiting when one stopped early after an error)."""
-        if _CAN_SKIP_BROADCAST:
-            return distribute_tensor(full, self.mesh, [Shard(0)], src_data_rank=None)
-        shape, offset = compute_local_shape_and_global_offset(full.shape, self.mesh, [Shard(0)])
-        piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
-        return DTensor.from_local(piece.clone(memory_format=torch.contiguous_format), self.mesh, [Shard(0)],
-                                  shape=full.shape, stride=full.stride())
+        """``full``, identical on every rank, as a Shard(0) DTensor over the mesh (:func:`distribute_same`)."""
+        return distribute_same(full, self.mesh, [Shard(0)])
+
+
+def distribute_same(full: torch.Tensor, mesh: Any, placements: list) -> DTensor:
+    """``distribute_tensor`` of a tensor every rank already holds identically, with no collective: torch
+    >= 2.7 cuts it (``src_data_rank=None``); on torch 2.6, whose ``distribute_tensor`` always scatters,
+    each rank cuts its own piece, so a rank that stopped early after an error leaves none waiting."""
+    if _CAN_SKIP_BROADCAST:
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    piece = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+    return DTensor.from_local(piece.clone(memory_format=torch.contiguous_format), mesh, placements,
+                              shape=full.shape, stride=full.stride())
