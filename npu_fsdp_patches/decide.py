@@ -46,12 +46,29 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
     if fw.version is None:
         return False, f"{display_name(fw)} version unknown ({fw.source})"
     try:
-        matches = cond.version.contains(Version(fw.version), prereleases=True)
+        release = gate_version(fw.version)
     except InvalidVersion:
         return False, f"{display_name(fw)} version {fw.version!r} is not a PEP 440 version"
+    matches = cond.version.contains(release, prereleases=True)
     verb = "matches" if matches else "does not match"
-    text = f"{_describe(fw)} {verb} {cond.version}"
+    counted = f", counted as {release}," if str(release) != fw.version else ""
+    text = f"{_describe(fw)}{counted} {verb} {cond.version}"
     return matches, f"{text}: {cond.note}" if matches and cond.note else text
+
+
+def gate_version(version: str) -> Version:
+    """The version a gate bound is compared with: the release segment of ``version`` (and its epoch).
+
+    Under PEP 440 ``<2.14`` excludes ``2.14.0.dev0``, and ``>=2.14`` excludes it too (a pre-release
+    matches only where the specifier asks for pre-releases), so a nightly or source build at a split
+    edge fell through both sides. The rule (docs/design.md#341-versions-at-gate-edges): ``X.devN``,
+    ``XaN``/``XbN``/``XrcN``, ``X.postN`` and ``X+local`` all count as ``X``; a build that predates
+    X's fix is caught by the stand-down probe of the patch on X's side, which checks the code itself.
+    Raises InvalidVersion for a string that is not PEP 440.
+    """
+    parsed = Version(version)
+    release = ".".join(map(str, parsed.release))
+    return Version(f"{parsed.epoch}!{release}" if parsed.epoch else release)
 
 
 def evaluate_gate(spec: PatchSpec, frameworks: Mapping[str, Detected]) -> tuple:

@@ -28,6 +28,7 @@ class Detected(NamedTuple):
     flavor_rule: str | None = None
     commit: str | None = None
     note: str | None = None
+    source_id: str | None = None    # what identifies a source tree: git branch/commit, or the install's VCS url
 
     def as_dict(self) -> dict:
         return self._asdict()
@@ -120,15 +121,31 @@ def _read_commit(root: Path | None, relative: str | None) -> str | None:
         return None
     try:
         return (root / relative).read_text(encoding="utf-8").strip() or None
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
 def _ships(dist, module: str | None) -> bool:
-    """Whether the distribution's RECORD lists files of ``module`` (a meta package lists none)."""
+    """Whether the distribution's file list names files of ``module`` (a meta package lists none);
+    metadata without a file list (an egg-info file) ships what is found on sys.path."""
     top = (module or "").split(".")[0]
-    record = dist.read_text("RECORD") or ""
-    return bool(top) and any(line.startswith((top + "/", top + ".")) for line in record.splitlines())
+    files = dist.files()
+    if files is None:
+        return _module_dir(module) is not None
+    return bool(top) and any(path.startswith((top + "/", top + ".")) for path in files)
+
+
+def _notes(*parts: str | None) -> str | None:
+    return "; ".join(p for p in parts if p) or None
+
+
+def _metadata_notes(dist) -> str | None:
+    """What the reader of a version should know about its metadata: undecodable files, and a second
+    metadata folder of the same distribution (the first, as importlib.metadata picks, is used)."""
+    others = "".join(f" and {o.info_path} ({o.version or 'no version'})" for o in dist.others)
+    return _notes(*dist.problems, f"several metadata folders for {dist.name}: {dist.info_path} "
+                                  f"({dist.version}, used: first on sys.path, as importlib.metadata "
+                                  f"reads it){others}; remove the stale one" if others else None)
 
 
 def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
@@ -153,18 +170,30 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
         flavor, rule = _flavor(spec, dist, name)
         return Detected(spec.name, True, name, dist.version,
                         str(module_dir or dist_root), "metadata", flavor, rule,
-                        _read_commit(source_root or dist_root, spec.commit_file))
+                        _read_commit(source_root or dist_root, spec.commit_file), _metadata_notes(dist),
+                        source_identity(source_root, dist))
     if module_dir is None:
         return Detected(spec.name, False)
     flavor, rule = _flavor(spec, None, None)
     note = (f"imported from a source tree that shadows installed distribution "
             f"{dist.name} {dist.version}" if shadowed else None)
     if spec.flavors and flavor is None:
-        note = (note + "; " if note else "") + (f"flavour unknown: no distribution metadata for {module_dir}; "
-                                                "patches gated on a flavour stay off")
+        note = _notes(note, f"flavour unknown: no distribution metadata for {module_dir}; "
+                            "patches gated on a flavour stay off")
     source = "source-tree version file" if source_version else "find_spec (no version found)"
     return Detected(spec.name, True, None, source_version, str(module_dir), source, flavor, rule,
-                    _read_commit(source_root, spec.commit_file), note)
+                    _read_commit(source_root, spec.commit_file), note, source_identity(source_root, None))
+
+
+def source_identity(source_root: Path | None, dist) -> str | None:
+    """What tells two source trees of one version apart (MindSpeed says 0.12.1 on master and on
+    core_r0.18.0): the git branch and commit of the tree, else the VCS url and commit pip recorded in
+    the distribution's direct_url.json (PEP 610). Read from files; git is never run."""
+    from . import git_tree   # only a tree with a .git or a dist with direct_url.json pays for it
+    found = git_tree.describe(source_root) if source_root is not None else None
+    if found is None and dist is not None:
+        found = git_tree.from_direct_url(dist.read_text("direct_url.json"))
+    return found
 
 
 def detect_all(specs: Iterable[FrameworkSpec]) -> dict:

@@ -1,9 +1,15 @@
-"""Installed distributions read straight from their ``*.dist-info`` / ``*.egg-info`` folders.
+"""Installed distributions read straight from their metadata, in the forms ``importlib.metadata`` reads.
 
 Activation needs only a few facts per distribution (name, version, files, entry points), and
 ``importlib.metadata`` costs a third of activation to import (it pulls in email, zipfile and csv).
 So the ``sys.path`` directories are scanned once, and only the metadata files asked for are read.
-Entries that are not directories (zip files, eggs) fall back to ``importlib.metadata``.
+The forms and the order are importlib.metadata's (CPython ``importlib/metadata/__init__.py``
+``Lookup`` and ``PathDistribution``): ``*.dist-info`` and ``*.egg-info`` folders, an ``*.egg-info``
+file (``setup.py install`` of distutils), the ``EGG-INFO`` of a ``*.egg`` folder on ``sys.path``;
+METADATA, else PKG-INFO; the first match in ``sys.path`` order, each folder in ``os.listdir`` order.
+Entries that are not directories (zip files, wheels) fall back to ``importlib.metadata``.
+Metadata is never allowed to raise: text that is not UTF-8 is read with replacement characters and
+reported in ``problems``.
 """
 from __future__ import annotations
 
@@ -12,30 +18,51 @@ import re
 import sys
 from typing import Iterator
 
-_INFO = re.compile(r"^(?P<name>.+?)(-[^-]*)?\.(dist-info|egg-info)$")
+_SUFFIXES = (".dist-info", ".egg-info")
 
 
 def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-class InstalledDist:
-    """One installed distribution's metadata folder (the part of importlib's Distribution we use)."""
+def info_name(basename: str) -> str:
+    """The normalized distribution name of a metadata entry, as importlib.metadata derives it
+    (``transformer_engine-2.11.0-py3.11.egg-info`` -> ``transformer-engine``)."""
+    return normalize(basename.lower().rpartition(".")[0].partition("-")[0])
 
-    def __init__(self, info_path: str):
+
+class InstalledDist:
+    """One installed distribution's metadata (the part of importlib's Distribution we use)."""
+
+    def __init__(self, info_path: str, root: str | None = None):
         self.info_path = info_path
-        self.root = os.path.dirname(info_path)
+        self.root = root if root is not None else os.path.dirname(info_path)
         self._headers: dict | None = None
+        self.problems: list = []        # metadata that could not be read as it should
+        self.others: list = []          # later metadata of the same distribution (stale copies)
 
     def read_text(self, filename: str) -> str | None:
-        folder = self.info_path
-        if folder.endswith(".egg-info") and filename == "METADATA":
-            filename = "PKG-INFO"
+        """A metadata file's text; METADATA falls back to PKG-INFO, and an ``.egg-info`` file is its
+        own PKG-INFO. Never raises: undecodable bytes are replaced and reported."""
+        if os.path.isfile(self.info_path):
+            return self._read(self.info_path) if filename in ("METADATA", "PKG-INFO") else None
+        text = self._read(os.path.join(self.info_path, filename))
+        if text is None and filename == "METADATA":
+            text = self._read(os.path.join(self.info_path, "PKG-INFO"))
+        return text
+
+    def _read(self, path: str) -> str | None:
         try:
-            with open(os.path.join(folder, filename), encoding="utf-8") as fh:
-                return fh.read()
+            with open(path, "rb") as fh:
+                data = fh.read()
         except OSError:
             return None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.problems.append(f"{path} is not UTF-8 (byte {data[exc.start:exc.start + 1].hex()} at "
+                                 f"offset {exc.start}); read with replacement characters")
+            return data.decode("utf-8", errors="replace")
 
     def _header(self, key: str) -> str | None:
         if self._headers is None:
@@ -55,6 +82,20 @@ class InstalledDist:
     def version(self) -> str | None:
         return self._header("version")
 
+    def files(self) -> list | None:
+        """Installed file paths relative to the install folder: RECORD (dist-info), else
+        installed-files.txt (egg-info, relative to the metadata folder), else SOURCES.txt; None
+        when the metadata lists no files (an egg-info file)."""
+        record = self.read_text("RECORD")
+        if record is not None:
+            return [line.split(",", 1)[0] for line in record.splitlines() if line]
+        installed = self.read_text("installed-files.txt")
+        if installed is not None:
+            return [os.path.normpath(os.path.join(os.path.basename(self.info_path), line)).replace(os.sep, "/")
+                    for line in installed.splitlines() if line.strip()]
+        sources = self.read_text("SOURCES.txt")
+        return sources.split() if sources is not None else None
+
     def entry_points(self, group: str) -> list:
         """(name, "module:attr") pairs of one group in entry_points.txt."""
         found, current = [], None
@@ -69,33 +110,47 @@ class InstalledDist:
 
 
 class _MetadataDist(InstalledDist):
-    """Adapter over importlib.metadata for entries the directory scan cannot read."""
+    """Adapter over importlib.metadata for entries the directory scan cannot read (zip files)."""
 
     def __init__(self, dist):
+        super().__init__(str(getattr(dist, "_path", "")), str(dist.locate_file("")))
         self._dist = dist
-        self.info_path = str(getattr(dist, "_path", ""))
-        self.root = str(dist.locate_file(""))
-        self._headers = {"name": dist.metadata["Name"], "version": dist.metadata["Version"]}
+        self._headers = {"name": self._field("Name"), "version": self._field("Version")}
+
+    def _field(self, field: str) -> str | None:
+        try:
+            return self._dist.metadata[field]
+        except Exception as exc:  # noqa: BLE001 - metadata must never break activation
+            self.problems.append(f"metadata of {self.info_path} unreadable: {type(exc).__name__}: {exc}")
+            return None
 
     def read_text(self, filename: str) -> str | None:
-        return self._dist.read_text(filename)
+        try:
+            return self._dist.read_text(filename)
+        except Exception as exc:  # noqa: BLE001
+            self.problems.append(f"{self.info_path}/{filename} unreadable: {type(exc).__name__}: {exc}")
+            return None
 
 
-def _scan_dirs() -> Iterator[InstalledDist]:
+def _scan_dirs() -> Iterator[tuple]:
+    """(normalized name, InstalledDist) for each metadata entry of the sys.path directories."""
     for entry in sys.path:
         folder = entry or os.getcwd()
         if not os.path.isdir(folder):
             continue
+        base = os.path.basename(folder.rstrip("/" + os.sep))
+        if base.lower().endswith(".egg") and os.path.isdir(os.path.join(folder, "EGG-INFO")):
+            yield info_name(base), InstalledDist(os.path.join(folder, "EGG-INFO"), folder)
         try:
-            names = sorted(os.listdir(folder))
+            names = os.listdir(folder)    # unsorted, as importlib.metadata reads it
         except OSError:
             continue
         for name in names:
-            if _INFO.match(name) and os.path.isdir(os.path.join(folder, name)):
-                yield InstalledDist(os.path.join(folder, name))
+            if name.lower().endswith(_SUFFIXES):
+                yield info_name(name), InstalledDist(os.path.join(folder, name))
 
 
-def _non_directory_entries() -> Iterator[InstalledDist]:
+def _non_directory_entries() -> Iterator[tuple]:
     zipped = [p for p in sys.path if p and os.path.isfile(p)]
     if not zipped:
         return
@@ -104,14 +159,16 @@ def _non_directory_entries() -> Iterator[InstalledDist]:
     else:  # pragma: no cover - Python 3.9 only
         import importlib_metadata as metadata
     for dist in metadata.distributions(path=zipped):
-        yield _MetadataDist(dist)
+        found = _MetadataDist(dist)
+        yield normalize(found.name or ""), found
 
 
 _SCANNED: dict = {}
 
 
 def installed() -> dict:
-    """normalized name -> first InstalledDist in sys.path order (what ``import`` would see).
+    """normalized name -> first InstalledDist in sys.path order (what ``import`` would see); later
+    metadata of the same name is kept in its ``others``.
 
     Scanned once per distinct ``sys.path`` (activation asks twice: detection and entry points).
     """
@@ -124,10 +181,15 @@ def installed() -> dict:
 
 def _scan_index() -> dict:
     index: dict = {}
-    for dist in list(_scan_dirs()) + list(_non_directory_entries()):
-        match = _INFO.match(os.path.basename(dist.info_path)) if dist.info_path else None
-        key = normalize(match["name"]) if match else normalize(dist.name or "")
-        index.setdefault(key, dist)
+    seen: set = set()
+    for key, dist in list(_scan_dirs()) + list(_non_directory_entries()):
+        real = os.path.realpath(dist.info_path) if dist.info_path else id(dist)
+        if real in seen:    # the same folder reached twice (a repeated sys.path entry, a symlink)
+            continue
+        seen.add(real)
+        first = index.setdefault(key, dist)
+        if first is not dist:
+            first.others.append(dist)
     return index
 
 

@@ -271,7 +271,9 @@ def parse_matrix(text: str, path: str = "<string>") -> Matrix:
 
 def load_matrix(path: str | Path | None = None) -> Matrix:
     """Read the given matrix file, or the shipped one."""
-    file = Path(path) if path else SHIPPED_MATRIX
+    if not path:
+        return parse_matrix(shipped_text(), str(SHIPPED_MATRIX))
+    file = Path(path)
     try:
         if file.stat().st_size > MAX_MATRIX_BYTES:
             raise MatrixError(f"matrix is larger than {MAX_MATRIX_BYTES} bytes", path=str(file))
@@ -281,3 +283,13 @@ def load_matrix(path: str | Path | None = None) -> Matrix:
     except OSError as exc:
         raise MatrixError(f"cannot read matrix: {exc.strerror or exc}", path=str(file)) from None
     return parse_matrix(text, str(file))
+
+
+def shipped_text() -> str:
+    """The shipped matrix's text, read through the package's loader (importlib.resources), so a
+    plugin imported from a wheel or zip on sys.path reads it too."""
+    from importlib.resources import files   # cheap; a plain path open fails inside a zip
+    try:
+        return files(__package__).joinpath(SHIPPED_MATRIX.name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MatrixError(f"cannot read the shipped matrix: {exc}", path=str(SHIPPED_MATRIX)) from None

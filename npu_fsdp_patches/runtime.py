@@ -72,6 +72,13 @@ def configure_logging(level: str | None) -> None:
         log.addHandler(handler)
 
 
+def _export_matrix_path(environ: Mapping[str, str], settings: Settings) -> None:
+    """Give spawned workers the absolute matrix path: they may start after an ``os.chdir``."""
+    key = f"{PREFIX}_MATRIX"
+    if environ is os.environ and settings.matrix_path and environ.get(key) != settings.matrix_path:
+        os.environ[key] = settings.matrix_path
+
+
 class Runtime:
     """Holds settings, matrix, detection, per-patch records and the originals registry."""
 
@@ -91,6 +98,9 @@ class Runtime:
         self._unregistered: list = []        # modules hooked under the lock, registered with wrapt after it
         self._probed: dict = {}              # patch name -> stand-down verdict (the first one computed wins)
         self._preimported: set = set()
+        self._watched: dict = {}             # framework module -> frameworks not found at activation
+        #: frameworks found after activation: framework, module, before, after (Detected.as_dict), patches
+        self.late_detections: list = []
 
     # -- activation -------------------------------------------------------------------------
     def activate(self, environ: Mapping[str, str] | None = None) -> None:
@@ -106,6 +116,9 @@ class Runtime:
                 self._configuration_failed(exc, strict_requested(environ))
                 return
             configure_logging(self.settings.log_level)
+            for warning in self.settings.warnings:
+                log.warning("%s", warning)
+            _export_matrix_path(environ, self.settings)
             if not self.settings.active:
                 log.info("%s=0: kill switch set, nothing registered or applied", PREFIX)
                 return
@@ -114,7 +127,7 @@ class Runtime:
             self._warn_unknown_names()
             enabled = [r for r in self.records.values() if r.decision.enabled and r.state == State.PENDING]
             self._preimported = {m for r in enabled for m in self.matrix.patches[r.name].target_modules
-                                 if m in sys.modules}
+                                 if hooks.imported(m)}
         failures = [f for record in enabled for f in self._arm(record.name)]   # patch code: no lock
         with self._lock:
             self._scan_stale([r.name for r in enabled])
@@ -162,7 +175,54 @@ class Runtime:
             self.records[name] = record
             log.debug("patch %s %s: %s; code: %s", name, "enabled" if decision.enabled else "disabled",
                       decision.reason, provider.describe() if provider else record.error)
+        self._watch_missing()
         return True
+
+    def _watch_missing(self) -> None:
+        """Watch the module of each gated framework not found now: a launcher or notebook may put it on
+        sys.path after activation (under autoload, at ``import torch``)."""
+        gated = {c.framework for spec in self.matrix.patches.values() for alt in spec.gate for c in alt}
+        for name in sorted(gated):
+            module = self.matrix.frameworks[name].module
+            if module and not self.frameworks[name].installed:
+                self._watched.setdefault(module, []).append(name)
+                hooks.when_looked_up(module, self._framework_looked_up)
+
+    def _framework_looked_up(self, top: str) -> bool:
+        """An import looks for a watched framework module: detect its frameworks again and decide again
+        every disabled patch whose gate names one found now (docs/design.md#33-detection). True when
+        none of them is left to watch."""
+        with self._lock:
+            names = self._watched.get(top, [])
+            found = detect_all(self.matrix.frameworks[n] for n in names)
+            appeared = [n for n in names if found[n].installed]
+            self._watched[top] = [n for n in names if n not in appeared]
+            todo = []
+            for name in appeared:
+                before, after = self.frameworks[name], found[name]
+                after = after._replace(note="; ".join(filter(None, (
+                    f"found after activation, when {top} was first looked up", after.note))))
+                self.frameworks[name] = after
+                self.late_detections.append({"framework": name, "module": top, "before": before.as_dict(),
+                                             "after": after.as_dict(), "enabled": todo})
+            for name, record in self.records.items() if appeared else ():
+                spec = self.matrix.patches[name]
+                if record.state != State.DISABLED or not {c.framework for a in spec.gate for c in a} & set(appeared):
+                    continue
+                record.decision = decide(spec, self.frameworks, self.settings)
+                record.note = f"decided again after activation: {', '.join(appeared)} found when {top} was imported"
+                if record.decision.enabled and name in self._implementations:
+                    record.state = State.PENDING
+                    todo.append(name)
+            if appeared:
+                log.info("%s found after activation (%s imported); decided again, enabled now: %s", ", ".join(appeared), top,
+                         ", ".join(todo) or "none")
+        failures = [f for name in todo for f in self._arm(name)]   # patch code: no lock
+        with self._lock:
+            self._scan_stale(todo)
+        if failures:
+            raise failures[0]
+        return not self._watched[top]
 
     def ensure_prepared(self) -> None:
         with self._lock:
@@ -170,10 +230,9 @@ class Runtime:
                 self._prepare()
 
     def _warn_unknown_names(self) -> None:
-        unknown = self.settings.unknown_names(set(self.matrix.patches))
-        if unknown:
-            log.warning("%s_DISABLE/%s_ENABLE name unknown patch(es) %s; known patches: %s",
-                        PREFIX, PREFIX, ", ".join(unknown), ", ".join(sorted(self.matrix.patches)))
+        message = self.settings.unknown_names_message(set(self.matrix.patches))
+        if message:
+            log.warning("%s", message)
 
     # -- hooks and apply ----------------------------------------------------------------------
     def _arm(self, name: str) -> list:
@@ -186,7 +245,7 @@ class Runtime:
             return [exc]
         with self._lock:
             modules = self.matrix.patches[name].target_modules
-            record.waiting_for = [m for m in modules if m not in sys.modules]
+            record.waiting_for = [m for m in modules if not hooks.imported(m)]
             for module in record.waiting_for:
                 self._hook(module)
             imported = [m for m in modules if m not in record.waiting_for]
@@ -291,7 +350,7 @@ class Runtime:
                     if record.state not in (State.PENDING, State.APPLIED):
                         return
                     spec = self.matrix.patches[name]
-                    record.waiting_for = [m for m in spec.target_modules if m not in sys.modules]
+                    record.waiting_for = [m for m in spec.target_modules if not hooks.imported(m)]
                 patch = self._instance(name)
                 if self._stood_down(record, patch, spec):
                     return

@@ -1,19 +1,21 @@
 """The one place NPU_FSDP_PATCHES_* environment variables are parsed (docs/design.md#32-environment-variables)."""
 from __future__ import annotations
 
+import os
 from typing import Mapping, NamedTuple
 
 from .errors import ConfigError
 
 PREFIX = "NPU_FSDP_PATCHES"
-LOG_LEVELS = ("debug", "info", "warning")
+#: Python's standard level names (logging._nameToLevel), in any case
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical", "fatal", "notset")
 ENV_VARS = {
     PREFIX: "kill switch: 0 registers and applies nothing",
     f"{PREFIX}_DISABLE": "comma list of patch names, or *: never apply these",
     f"{PREFIX}_ENABLE": "comma list of patch names: apply even where the matrix says no (failures raise)",
     f"{PREFIX}_STRICT": "1: any patch failure raises PatchError instead of being logged",
     f"{PREFIX}_MATRIX": "path of a compat_matrix.yaml to use instead of the shipped one",
-    f"{PREFIX}_LOG": "log level of the npu_fsdp_patches logger: debug, info or warning",
+    f"{PREFIX}_LOG": "log level of the npu_fsdp_patches logger: a Python level name (debug, info, warning, error, critical)",
 }
 
 
@@ -25,10 +27,25 @@ class Settings(NamedTuple):
     strict: bool = False
     matrix_path: str | None = None
     log_level: str | None = None
+    warnings: tuple = ()            # e.g. a misspelled NPU_FSDP_PATCHES_* variable, naming the closest
 
     def unknown_names(self, known: set) -> list:
         """Names given in DISABLE/ENABLE that no patch has (sorted)."""
         return sorted((self.disable | self.enable) - set(known))
+
+    def unknown_names_message(self, known: set) -> str | None:
+        """The warning for unknown DISABLE/ENABLE names: each with the closest known name, then all
+        known names; None when every name is known."""
+        unknown = self.unknown_names(known)
+        if not unknown:
+            return None
+        import difflib   # only a misconfiguration pays for it
+        named = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            named.append(f"{name} (did you mean {close[0]}?)" if close else name)
+        return (f"{PREFIX}_DISABLE/{PREFIX}_ENABLE name unknown patch(es) {', '.join(named)}; "
+                f"known patches: {', '.join(sorted(known))}")
 
 
 def _flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
@@ -66,12 +83,29 @@ def parse_settings(environ: Mapping[str, str]) -> Settings:
                           "accepted values: a patch name in at most one of them")
     log = environ.get(f"{PREFIX}_LOG", "").strip().lower() or None
     if log is not None and log not in LOG_LEVELS:
-        raise ConfigError(f"{PREFIX}_LOG={environ[f'{PREFIX}_LOG']!r} is not valid; "
-                          f"accepted values: {', '.join(LOG_LEVELS)}")
+        raise ConfigError(f"{PREFIX}_LOG={environ[f'{PREFIX}_LOG']!r} is not valid; accepted values: "
+                          f"a Python level name: {', '.join(LOG_LEVELS)} (any case)")
     matrix = environ.get(f"{PREFIX}_MATRIX", "").strip() or None
+    if matrix is not None:   # a spawned worker may start in another directory (os.chdir)
+        matrix = os.path.abspath(os.path.expanduser(matrix))
     return Settings(active=_flag(environ, PREFIX, True), disable=disable, disable_all=disable_all,
                     enable=enable, strict=_flag(environ, f"{PREFIX}_STRICT", False),
-                    matrix_path=matrix, log_level=log)
+                    matrix_path=matrix, log_level=log, warnings=misspelled_variables(environ))
+
+
+def misspelled_variables(environ: Mapping[str, str]) -> tuple:
+    """A warning for each set variable that looks like one of ours but is not (it would be ignored),
+    naming the closest valid variable."""
+    suspects = [key for key in environ if key.upper().startswith("NPU_FSDP") and key not in ENV_VARS]
+    if not suspects:
+        return ()
+    import difflib   # only a misspelling pays for it
+    found = []
+    for key in sorted(suspects):
+        close = difflib.get_close_matches(key.upper(), list(ENV_VARS), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else f"; valid variables: {', '.join(ENV_VARS)}"
+        found.append(f"{key} is not a variable of npu_fsdp_patches and is ignored{hint}")
+    return tuple(found)
 
 
 def strict_requested(environ: Mapping[str, str]) -> bool:

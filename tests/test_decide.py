@@ -98,3 +98,74 @@ def test_apply_builds_its_explicit_decision_here_verified_over_every_gated_frame
     assert d == (True, "requested by apply()", True, False, ("transformer-engine 2.10.1 (nvidia)",))
     d = requested_by_apply(MATRIX.patches["shim"], frameworks())
     assert (d.enabled, d.explicit, d.verified, d.unverified) == (True, True, True, ())
+
+
+# -- versions at gate edges (docs/design.md#341-versions-at-gate-edges) ---------------------------------
+
+def _shipped_bounds():
+    """(framework, X) for every version bound of the shipped matrix, and every condition by framework."""
+    from npu_fsdp_patches.matrix import load_matrix
+    matrix = load_matrix()
+    conditions = {}
+    for spec in matrix.patches.values():
+        for alternative in spec.gate:
+            for cond in alternative:
+                if cond.version is not None:
+                    conditions.setdefault(cond.framework, []).append(cond)
+    bounds = sorted({(name, s.version) for name, conds in conditions.items() for c in conds for s in c.version})
+    return bounds, conditions
+
+
+BOUNDS, CONDITIONS = _shipped_bounds()
+
+
+def _variants(x):
+    release = x if x.count(".") >= 2 else x + ".0"
+    return [f"{release}.dev0", f"{release}.dev0+g1234abc", f"{release}rc1", f"{release}a0+git5f3a1b2",
+            f"{release}.post1", f"{release}+local"]
+
+
+@pytest.mark.parametrize("framework, bound", BOUNDS)
+def test_every_shipped_bound_puts_dev_rc_post_and_local_builds_on_the_side_of_the_release(framework, bound):
+    """A pre-release, post-release or local build of X decides exactly like X on every condition, so of
+    a split gate (``<X`` in one place, ``>=X`` in another) exactly one side holds."""
+    release = bound if bound.count(".") >= 2 else bound + ".0"
+    same = fw("te", release)._replace(name=framework)
+    for version in _variants(bound):
+        build = same._replace(version=version)
+        for cond in CONDITIONS[framework]:
+            cond = cond._replace(flavor=None)
+            assert check_condition(cond, build)[0] == check_condition(cond, same)[0], (version, str(cond.version))
+        below = [c for c in CONDITIONS[framework] if any(s.operator == "<" and s.version == bound for s in c.version)]
+        above = [c for c in CONDITIONS[framework] if any(s.operator == ">=" and s.version == bound for s in c.version)]
+        if below and above:
+            sides = [check_condition(c._replace(flavor=None), build)[0] for c in below + above]
+            assert sides.count(True) == len(above) and not any(sides[:len(below)]), (version, sides)
+
+
+def test_the_split_gates_named_in_the_issue_land_on_one_side():
+    from npu_fsdp_patches.matrix import load_matrix
+    matrix = load_matrix()
+
+    def shipped(torch="2.13.0", te=None, hp=None):
+        found = {name: Detected(name, False) for name in matrix.frameworks}
+        found["torch"] = Detected("torch", True, "torch", torch)
+        if te:
+            found["transformer_engine"] = Detected("transformer_engine", True, "transformer-engine", te,
+                                                   flavor="nvidia")
+        if hp:
+            found["hyper_parallel"] = Detected("hyper_parallel", True, "hyper-parallel", hp)
+        return found
+
+    def on(patch, found):
+        return decide(matrix.patches[patch], found, parse_settings({}))
+
+    dev = shipped(te="2.14.0.dev0+g1234abc")
+    assert on("te_fused_adam_dtensor", dev).enabled is False
+    scale = on("te_fused_adam_empty_scale", dev)
+    assert scale.enabled and "2.14.0.dev0+g1234abc (nvidia), counted as 2.14.0, matches >=2.14" in scale.reason
+    assert scale.verified is False
+    assert on("hp_fp32_main_params", shipped(torch="2.9.0a0+git5f3a1b2", hp="0.1.0")).reason.startswith(
+        "hyper-parallel 0.1.0 installed; torch 2.9.0a0+git5f3a1b2, counted as 2.9.0, matches >=2.9")
+    assert on("hp_skip_dispatch_adamw", shipped(torch="2.7.0a0", hp="0.1.0")).enabled
+    assert on("hp_skip_dispatch_adamw", shipped(torch="2.6.0rc1", hp="0.1.0")).enabled

@@ -65,7 +65,7 @@ def test_hyper_parallel_commit_id_and_veomni(tmp_path):
     assert found["veomni"]["version"] == "0.1.12"
     assert found["mindspeed"] == {"name": "mindspeed", "installed": False, "distribution": None, "version": None,
                                   "location": None, "source": "not found", "flavor": None,
-                                  "flavor_rule": None, "commit": None, "note": None}
+                                  "flavor_rule": None, "commit": None, "note": None, "source_id": None}
 
 
 def test_uninportable_torch_npu_is_detected_without_import(tmp_path):

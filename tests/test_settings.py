@@ -14,8 +14,12 @@ P = "NPU_FSDP_PATCHES"
     ({f"{P}_DISABLE": "a, b,,"}, dict(disable=frozenset({"a", "b"}), disable_all=False)),
     ({f"{P}_DISABLE": "*"}, dict(disable=frozenset(), disable_all=True)),
     ({f"{P}_DISABLE": "*", f"{P}_ENABLE": "x"}, dict(disable_all=True, enable=frozenset({"x"}))),
-    ({f"{P}_MATRIX": " m.yaml "}, dict(matrix_path="m.yaml")),
+    ({f"{P}_MATRIX": " /m.yaml "}, dict(matrix_path="/m.yaml")),
     ({f"{P}_LOG": "DEBUG"}, dict(log_level="debug")),
+    ({f"{P}_LOG": "error"}, dict(log_level="error")),
+    ({f"{P}_LOG": "WARNING"}, dict(log_level="warning")),
+    ({f"{P}_LOG": "Critical"}, dict(log_level="critical")),
+    ({f"{P}_DISABLE": "a"}, dict(warnings=())),
 ])
 def test_valid_settings(env, expected):
     settings = parse_settings(env)
@@ -28,7 +32,7 @@ def test_valid_settings(env, expected):
     ({f"{P}_STRICT": "yes please"}, f"{P}_STRICT='yes please' is not valid"),
     ({f"{P}_ENABLE": "*"}, f"{P}_ENABLE='*' is not valid; accepted values: a comma-separated list"),
     ({f"{P}_DISABLE": "a;b"}, f"{P}_DISABLE='a;b' is not valid (a;b)"),
-    ({f"{P}_LOG": "trace"}, f"{P}_LOG='trace' is not valid; accepted values: debug, info, warning"),
+    ({f"{P}_LOG": "trace"}, f"{P}_LOG='trace' is not valid; accepted values: a Python level name: debug, info, warning, warn, error, critical"),
     ({f"{P}_DISABLE": "a", f"{P}_ENABLE": "a"}, "both name a"),
 ])
 def test_invalid_settings_name_the_variable(env, message):
@@ -40,3 +44,29 @@ def test_invalid_settings_name_the_variable(env, message):
 def test_unknown_names():
     settings = parse_settings({f"{P}_DISABLE": "b,zz", f"{P}_ENABLE": "aa"})
     assert settings.unknown_names({"b"}) == ["aa", "zz"]
+
+
+def test_a_relative_matrix_path_is_made_absolute_against_the_directory_of_activation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_settings({f"{P}_MATRIX": "sub/m.yaml"}).matrix_path == str(tmp_path / "sub" / "m.yaml")
+
+
+def test_a_misspelled_variable_is_named_with_the_closest_valid_one():
+    settings = parse_settings({f"{P}_DISABLED": "x", "NPU_FSDP_PATCH_LOG": "debug", f"{P}_DISABLE": "y",
+                               "NPU_FSDP_ZZZZZZZZZZZZ": "1", "OTHER": "1"})
+    assert settings.warnings == (
+        "NPU_FSDP_PATCHES_DISABLED is not a variable of npu_fsdp_patches and is ignored; "
+        "did you mean NPU_FSDP_PATCHES_DISABLE?",
+        "NPU_FSDP_PATCH_LOG is not a variable of npu_fsdp_patches and is ignored; "
+        "did you mean NPU_FSDP_PATCHES_LOG?",
+        "NPU_FSDP_ZZZZZZZZZZZZ is not a variable of npu_fsdp_patches and is ignored; valid variables: "
+        "NPU_FSDP_PATCHES, NPU_FSDP_PATCHES_DISABLE, NPU_FSDP_PATCHES_ENABLE, NPU_FSDP_PATCHES_STRICT, "
+        "NPU_FSDP_PATCHES_MATRIX, NPU_FSDP_PATCHES_LOG")
+
+
+def test_unknown_patch_names_are_reported_with_the_closest_known_name():
+    settings = parse_settings({f"{P}_DISABLE": "te_fused_adam_dtensr,zz"})
+    assert settings.unknown_names_message({"te_fused_adam_dtensor", "hp_fp32_main_params"}) == (
+        f"{P}_DISABLE/{P}_ENABLE name unknown patch(es) te_fused_adam_dtensr (did you mean "
+        "te_fused_adam_dtensor?), zz; known patches: hp_fp32_main_params, te_fused_adam_dtensor")
+    assert settings.unknown_names_message({"te_fused_adam_dtensr", "zz"}) is None
