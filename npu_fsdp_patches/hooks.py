@@ -66,6 +66,7 @@ class _FirstLookup:
         if callback is None or fullname in self._busy:
             return None
         self._busy.add(fullname)
+        passed = list(sys.meta_path)
         try:
             if callback(fullname):
                 self.watched.pop(fullname, None)
@@ -75,8 +76,20 @@ class _FirstLookup:
             log.exception("npu_fsdp_patches: lookup hook for %s failed", fullname)
         finally:
             self._busy.discard(fullname)
-        if not self.watched and self in sys.meta_path:
-            sys.meta_path.remove(self)
+        return self._ask_new_finders(passed, fullname, path, target)
+
+    def _ask_new_finders(self, passed: list, fullname: str, path, target):
+        """The callback may have put a finder ahead of this one (wrapt's, for a post-import hook on
+        this very module); the import has already passed that place in sys.meta_path, so ask it here.
+        This entry never leaves sys.meta_path: removing it mid-lookup would skip the next finder."""
+        for finder in sys.meta_path:
+            if finder is self:
+                break
+            find = getattr(finder, "find_spec", None)
+            if find is not None and not any(finder is seen for seen in passed):
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    return spec
         return None
 
 
