@@ -1,8 +1,10 @@
 """Import cost of ``import npu_fsdp_patches`` next to ``import torch`` (docs/design.md#6-performance-targets:
-target <= 5%).
+target <= 3%).
 
 Each sample is a fresh interpreter timing only the import statement (interpreter start-up excluded).
 torch is timed with TORCH_DEVICE_BACKEND_AUTOLOAD=0 so it does not include our own autoload.
+Bytecode writing is on and one untimed import comes first, as after ``pip install`` plus one run: the
+.pyc files and the compiled matrix (npu_fsdp_patches/matrix_cache.py) exist.
 Usage: python benchmarks/import_overhead.py [--runs N] [--json]
 """
 from __future__ import annotations
@@ -43,21 +45,23 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("NPU_FSDP_PATCHES") and k != "PYTHONDONTWRITEBYTECODE"}
     torch_env = {**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    sample("npu_fsdp_patches", 1, env)   # warm-up: .pyc files and the compiled matrix
     plugin = statistics.median(sample("npu_fsdp_patches", args.runs, env))
     torch = statistics.median(sample("torch", args.runs, torch_env))
     check = subprocess.run([sys.executable, "-c", "import sys, npu_fsdp_patches; print('torch' in sys.modules)"],
                            capture_output=True, text=True, env=env, check=True).stdout.strip()
     result = {"runs": args.runs, "plugin_s": plugin, "torch_s": torch, "ratio": plugin / torch,
-              "target_ratio": 0.05, "torch_imported_by_plugin": check == "True",
+              "target_ratio": 0.03, "torch_imported_by_plugin": check == "True",
               "importtime_top": importtime_top("npu_fsdp_patches", env)}
     if args.json:
         print(json.dumps(result, indent=2))
         return
     print(f"import npu_fsdp_patches  median {plugin * 1e3:8.1f} ms  ({args.runs} fresh interpreters)")
     print(f"import torch             median {torch * 1e3:8.1f} ms")
-    print(f"ratio                    {result['ratio']:.3f}  (target <= 0.05)   torch imported by plugin: {check}")
+    print(f"ratio                    {result['ratio']:.3f}  (target <= 0.03)   torch imported by plugin: {check}")
     print("\n-X importtime, heaviest cumulative entries of `import npu_fsdp_patches`:")
     for row in result["importtime_top"]:
         print(f"  {row['cumulative_us'] / 1e3:8.1f} ms cumulative  {row['self_us'] / 1e3:7.1f} ms self  {row['module']}")

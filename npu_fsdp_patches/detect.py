@@ -171,7 +171,7 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
         return Detected(spec.name, True, name, dist.version,
                         str(module_dir or dist_root), "metadata", flavor, rule,
                         _read_commit(source_root or dist_root, spec.commit_file), _metadata_notes(dist),
-                        source_identity(source_root, dist))
+                        source_identity(source_root if outside else None, dist))
     if module_dir is None:
         return Detected(spec.name, False)
     flavor, rule = _flavor(spec, None, None)

@@ -133,11 +133,15 @@ class _MetadataDist(InstalledDist):
 
 
 def _scan_dirs() -> Iterator[tuple]:
-    """(normalized name, InstalledDist) for each metadata entry of the sys.path directories."""
+    """(normalized name, InstalledDist) for each metadata entry of the sys.path directories; a folder
+    reached twice (a repeated sys.path entry, a symlink) is read once."""
+    seen = set()
     for entry in sys.path:
         folder = entry or os.getcwd()
-        if not os.path.isdir(folder):
+        real = os.path.realpath(folder)
+        if real in seen or not os.path.isdir(folder):
             continue
+        seen.add(real)
         base = os.path.basename(folder.rstrip("/" + os.sep))
         if base.lower().endswith(".egg") and os.path.isdir(os.path.join(folder, "EGG-INFO")):
             yield info_name(base), InstalledDist(os.path.join(folder, "EGG-INFO"), folder)
@@ -181,12 +185,7 @@ def installed() -> dict:
 
 def _scan_index() -> dict:
     index: dict = {}
-    seen: set = set()
     for key, dist in list(_scan_dirs()) + list(_non_directory_entries()):
-        real = os.path.realpath(dist.info_path) if dist.info_path else id(dist)
-        if real in seen:    # the same folder reached twice (a repeated sys.path entry, a symlink)
-            continue
-        seen.add(real)
         first = index.setdefault(key, dist)
         if first is not dist:
             first.others.append(dist)

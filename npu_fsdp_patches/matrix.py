@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from .errors import MatrixError
@@ -92,12 +91,15 @@ class _Reader:
     """
 
     def __init__(self, path: str):
+        import yaml   # activation reads the validated cache of the shipped matrix (matrix_cache.py)
         self.path = path
         self.lines: dict = {}
         self._scalars = yaml.constructor.SafeConstructor()
+        self._yaml = yaml
         self._nodes = 0
 
-    def to_data(self, node: yaml.Node, key_path: str, depth: int = 0) -> Any:
+    def to_data(self, node: "yaml.Node", key_path: str, depth: int = 0) -> Any:
+        yaml = self._yaml
         self._nodes += 1
         if self._nodes > MAX_NODES or depth > MAX_DEPTH:
             raise MatrixError(f"more than {MAX_NODES} nodes or {MAX_DEPTH} levels after alias expansion "
@@ -158,6 +160,7 @@ class _Reader:
 
 def _reject_tags(text: str, path: str) -> None:
     """Tags (``!!python/...``, ``!foo``, ``!!str``) have no meaning in the matrix: refuse them all."""
+    import yaml
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     for event in yaml.parse(text, Loader=loader):
         tag = getattr(event, "tag", None)
@@ -247,6 +250,7 @@ def parse_matrix(text: str, path: str = "<string>") -> Matrix:
     r = _Reader(path)
     if len(text) > MAX_MATRIX_BYTES:
         raise MatrixError(f"matrix is larger than {MAX_MATRIX_BYTES} bytes", path=path)
+    import yaml
     try:
         _reject_tags(text, path)
         root = yaml.compose(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -272,7 +276,8 @@ def parse_matrix(text: str, path: str = "<string>") -> Matrix:
 def load_matrix(path: str | Path | None = None) -> Matrix:
     """Read the given matrix file, or the shipped one."""
     if not path:
-        return parse_matrix(shipped_text(), str(SHIPPED_MATRIX))
+        from . import matrix_cache
+        return matrix_cache.load(shipped_text(), str(SHIPPED_MATRIX), parse_matrix)
     file = Path(path)
     try:
         if file.stat().st_size > MAX_MATRIX_BYTES:
@@ -286,10 +291,12 @@ def load_matrix(path: str | Path | None = None) -> Matrix:
 
 
 def shipped_text() -> str:
-    """The shipped matrix's text, read through the package's loader (importlib.resources), so a
-    plugin imported from a wheel or zip on sys.path reads it too."""
-    from importlib.resources import files   # cheap; a plain path open fails inside a zip
+    """The shipped matrix's text; through the package's loader (importlib.resources) where it is not a
+    plain file, so a plugin imported from a wheel or zip on sys.path reads it too."""
     try:
+        if SHIPPED_MATRIX.is_file():   # an installed or checked-out package: no need for importlib.resources
+            return SHIPPED_MATRIX.read_text(encoding="utf-8")
+        from importlib.resources import files   # a zip or wheel on sys.path (costs 2 ms to import)
         return files(__package__).joinpath(SHIPPED_MATRIX.name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MatrixError(f"cannot read the shipped matrix: {exc}", path=str(SHIPPED_MATRIX)) from None

@@ -1,0 +1,127 @@
+"""A validated, compiled form of the shipped matrix, so activation neither imports yaml nor validates.
+
+Loading and validating compat_matrix.yaml is a third of activation (yaml's import alone compiles a
+large regular expression). The result of ``parse_matrix`` is stored with :mod:`marshal` (plain data,
+the format of ``.pyc`` files; nothing is executed on load) in the package's ``__pycache__``, else
+in the user's cache folder. It is used only when it was built from exactly the same matrix text, by
+the same ``matrix.py`` (size and mtime) and the same Python; anything else is parsed again. Every
+failure to read or write it is silent and falls back to parsing: the cache can make activation
+faster, never different. Nothing is written when bytecode writing is off (``-B``,
+PYTHONDONTWRITEBYTECODE) or from a zip.
+"""
+from __future__ import annotations
+
+import marshal
+import os
+import sys
+from typing import Callable
+
+from packaging.specifiers import SpecifierSet
+
+from . import matrix
+
+FORMAT = 1
+#: the NamedTuples of a Matrix, by name; an unknown type makes the matrix uncacheable (parsed each time)
+_TYPES = {cls.__name__: cls for cls in (matrix.Target, matrix.Condition, matrix.FlavorRule,
+                                        matrix.FrameworkSpec, matrix.PatchSpec, matrix.Matrix)}
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _encode(value):
+    """Plain marshal-able data; NamedTuples and SpecifierSets are tagged so they come back as such."""
+    if isinstance(value, SpecifierSet):
+        return ("SpecifierSet", str(value))
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        if _TYPES.get(type(value).__name__) is not type(value):
+            raise _Uncacheable(type(value).__name__)
+        return (type(value).__name__, tuple(_encode(v) for v in value))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(_encode(v) for v in value))
+    if isinstance(value, list):
+        return ("list", tuple(_encode(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((_encode(k), _encode(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return ("value", value)
+    raise _Uncacheable(type(value).__name__)
+
+
+def _decode(item):
+    kind, value = item
+    if kind == "value":
+        return value
+    if kind == "SpecifierSet":
+        return SpecifierSet(value)
+    if kind == "tuple":
+        return tuple(_decode(v) for v in value)
+    if kind == "list":
+        return [_decode(v) for v in value]
+    if kind == "dict":
+        return {_decode(k): _decode(v) for k, v in value}
+    return _TYPES[kind](*(_decode(v) for v in value))
+
+
+def _key(text: str, path: str) -> tuple | None:
+    """What the cached matrix depends on; None where it cannot be known (matrix.py in a zip)."""
+    try:
+        code = os.stat(matrix.__file__)
+    except (OSError, TypeError):
+        return None
+    return (FORMAT, sys.version, path, code.st_size, code.st_mtime_ns, text)
+
+
+def _locations() -> list:
+    name = f"compat_matrix.{sys.implementation.cache_tag}.marshal"
+    folders = [os.path.join(os.path.dirname(os.path.abspath(matrix.__file__)), "__pycache__")]
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folders.append(os.path.join(home, "npu_fsdp_patches"))
+    return [os.path.join(folder, name) for folder in folders]
+
+
+def _read(location: str, key: tuple):
+    try:
+        with open(location, "rb") as fh:
+            stored_key, data = marshal.load(fh)
+        return _decode(data) if stored_key == key else None
+    except Exception:  # noqa: BLE001 - a cache that cannot be read is no cache
+        return None
+
+
+def _write(locations: list, key: tuple, found) -> None:
+    if sys.dont_write_bytecode:
+        return
+    try:
+        payload = marshal.dumps((key, _encode(found)))
+    except (_Uncacheable, ValueError):
+        return
+    for location in locations:
+        temporary = f"{location}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(location), exist_ok=True)
+            with open(temporary, "wb") as fh:
+                fh.write(payload)
+            os.replace(temporary, location)   # atomic: a concurrent reader sees the old or the new file
+            return
+        except OSError:
+            try:
+                os.unlink(temporary)
+            except OSError:
+                pass
+
+
+def load(text: str, path: str, parse: Callable[[str, str], "matrix.Matrix"]) -> "matrix.Matrix":
+    """``parse(text, path)``, or its stored result for exactly this text, matrix.py and Python."""
+    key = _key(text, path)
+    if key is None:
+        return parse(text, path)
+    locations = _locations()
+    for location in locations:
+        found = _read(location, key)
+        if found is not None:
+            return found
+    found = parse(text, path)
+    _write(locations, key, found)
+    return found

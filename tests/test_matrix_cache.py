@@ -1,0 +1,84 @@
+"""The compiled form of the shipped matrix (npu_fsdp_patches/matrix_cache.py): used only for exactly
+the text it was built from, never a different result, silent when it cannot be read or written."""
+import sys
+from typing import NamedTuple
+
+import pytest
+
+from npu_fsdp_patches import matrix, matrix_cache
+from tests.support import run_python
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """Cache files under tmp_path, bytecode writing on; returns the two locations."""
+    locations = [str(tmp_path / "pkg" / "__pycache__" / "m.marshal"), str(tmp_path / "home" / "m.marshal")]
+    monkeypatch.setattr(matrix_cache, "_locations", lambda: list(locations))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    return locations
+
+
+def counting_parse(calls):
+    def parse(text, path):
+        calls.append(text)
+        return matrix.parse_matrix(text, path)
+    return parse
+
+
+def test_the_stored_matrix_equals_a_fresh_parse_and_is_used_for_the_same_text(cache):
+    text, calls = matrix.shipped_text(), []
+    first = matrix_cache.load(text, "shipped.yaml", counting_parse(calls))
+    again = matrix_cache.load(text, "shipped.yaml", counting_parse(calls))
+    assert len(calls) == 1
+    assert again == first == matrix.parse_matrix(text, "shipped.yaml")
+    assert again.patches["te_fused_adam_dtensor"].gate[1][0].version.contains("2.13.0")
+
+
+def test_a_changed_matrix_text_is_parsed_again(cache):
+    text, calls = matrix.shipped_text(), []
+    matrix_cache.load(text, "shipped.yaml", counting_parse(calls))
+    edited = text.replace('version: ">=2.10,<2.14"', 'version: ">=2.10,<2.15"')
+    assert edited != text
+    found = matrix_cache.load(edited, "shipped.yaml", counting_parse(calls))
+    assert len(calls) == 2 and str(found.patches["te_fused_adam_dtensor"].gate[1][0].version) == "<2.15,>=2.10"
+
+
+def test_an_unreadable_or_unwritable_cache_falls_back_to_parsing(cache, tmp_path):
+    text, calls = matrix.shipped_text(), []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__pycache__").write_text("a file where the folder should be: unwritable")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "m.marshal").write_bytes(b"\x00garbage")
+    assert matrix_cache.load(text, "s", counting_parse(calls)) == matrix.parse_matrix(text, "s")
+    assert matrix_cache.load(text, "s", counting_parse(calls)) == matrix.parse_matrix(text, "s")
+    assert len(calls) == 1                          # the second location was rewritten and read back
+
+
+def test_nothing_is_written_when_bytecode_writing_is_off(cache, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    calls = []
+    matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls))
+    matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls))
+    assert len(calls) == 2
+
+
+def test_a_matrix_holding_a_type_the_cache_does_not_know_is_never_stored(cache):
+    class Extra(NamedTuple):      # e.g. a field type added to the matrix later
+        value: str
+
+    def parse(text, path):
+        calls.append(text)
+        found = matrix.parse_matrix(text, path)
+        return found._replace(lines={"x": Extra("y")})
+
+    calls = []
+    matrix_cache.load(matrix.shipped_text(), "s", parse)
+    assert matrix_cache.load(matrix.shipped_text(), "s", parse).lines == {"x": Extra("y")}
+    assert len(calls) == 2
+
+
+def test_activation_with_the_stored_matrix_imports_no_yaml(tmp_path):
+    env = {"PYTHONDONTWRITEBYTECODE": "", "XDG_CACHE_HOME": str(tmp_path)}
+    code = "import sys, npu_fsdp_patches; print(len(npu_fsdp_patches.status()), 'yaml' in sys.modules)"
+    run_python(code, env=env)                       # builds the cache where it can
+    assert run_python(code, env=env).stdout.split() == [str(len(matrix.load_matrix().patches)), "False"]
