@@ -4,7 +4,6 @@ A lookup hook (``when_looked_up``) runs when an import first looks for a module,
 detection needs only the ``sys.path`` of that moment, and it costs no wrapt import at activation.
 Placeholder modules (MindSpeed's ``create_dummy``) never run a hook of ours.
 
-
 wrapt calls hooks inside the user's ``import`` with no try/except (docs/design.md#71-wrapt-post-import-hooks),
 so an exception in a hook would fail that import. Every hook registered here swallows and logs its
 own errors; only ``PatchError``, which the runtime raises on purpose in strict mode, gets through.
