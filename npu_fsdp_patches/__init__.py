@@ -42,11 +42,26 @@ def detect() -> dict[str, Any]:
     return {name: info.as_dict() for name, info in _RUNTIME.frameworks.items()}
 
 
+def _run_module(argv: list) -> str | None:
+    """The module ``python [options] -m MODULE`` runs, however the options are spelled (``-mMOD``,
+    ``-Im MOD``, ``-X opt -m MOD``); None for ``-c`` or a script."""
+    args = iter(argv[1:])
+    for arg in args:
+        if not arg.startswith("-") or arg in ("-", "--"):
+            return None
+        for i, flag in enumerate(arg[1:], 1):
+            if flag in "WX" or flag in "mc":          # the rest of the word, or the next one, is its value
+                value = arg[i + 1:] or next(args, "")
+                if flag in "mc":
+                    return value if flag == "m" else None
+                break
+    return None
+
+
 def _started_as_cli() -> bool:
     """True in the ``npu-fsdp-patches`` / ``python -m npu_fsdp_patches`` process: there a strict
     activation error is reported by the CLI (exit code 2, complete JSON) instead of killing the import."""
-    argv = list(getattr(sys, "orig_argv", None) or [])
-    if "-m" in argv[:-1] and argv[argv.index("-m") + 1] in ("npu_fsdp_patches", "npu_fsdp_patches.cli"):
+    if _run_module(list(getattr(sys, "orig_argv", None) or [])) in ("npu_fsdp_patches", "npu_fsdp_patches.cli"):
         return True
     return bool(sys.argv) and os.path.basename(sys.argv[0]) == "npu-fsdp-patches"
 

@@ -1,15 +1,23 @@
-"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test."""
+"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test, report.
+
+Exit codes and JSON schemas: docs/cli.md. Output to a pipe that closes early (``| head``) ends quietly
+with exit code 141, as a shell reports a command stopped by SIGPIPE.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from . import __version__, loader, selftest
+from . import __version__, loader, report, selftest
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
-from .render import doctor_text, explain_text, list_text
+from .render import doctor_text, explain_text, gate_data, list_text
 from .runtime import RUNTIME
 from .settings import ENV_VARS
+
+#: the exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports it)
+EXIT_BROKEN_PIPE = 141
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,12 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="one JSON object (schema npu-fsdp-patches/list)")
     selftest.add_arguments(sub.add_parser(
         "self-test", help="run every enabled patch's checks on this machine's devices, backend and ranks"))
+    report.add_arguments(sub.add_parser(
+        "report", help="write a bug report (OUTPUT.json and OUTPUT.md): doctor, self-test, OS, Ascend stack"))
     return parser
 
 
 def _patch_doc(name: str) -> str | None:
     """The patch class's docstring, else its module's: what the patch changes."""
-    provider = RUNTIME._implementations.get(name) or loader.available().get(name)
+    provider = RUNTIME.provider(name) or loader.available().get(name)
     value = provider.value if provider else None
     try:
         patch_class = type(loader.load_patch(value)) if value else None
@@ -62,20 +72,26 @@ def _emit(as_json: bool, command: str, exit_code: int, text: str | None, error: 
     return exit_code
 
 
-def main(argv: list | None = None) -> int:
+def _doctor(args: argparse.Namespace, as_json: bool) -> int:
+    try:
+        result = collect(try_import=getattr(args, "try_import", False),
+                         self_test=getattr(args, "self_test", False))
+    except Exception as exc:  # noqa: BLE001 - doctor reports, it never dies with a traceback
+        return _emit(as_json, "doctor", EXIT_PATCH_FAILED, None, f"doctor failed: {type(exc).__name__}: {exc}")
+    print(json.dumps(result, indent=2) if as_json else doctor_text(result))
+    return result["exit_code"]
+
+
+def _run(argv: list | None) -> int:
     args = _parser().parse_args(argv)
     command = args.command or "doctor"
     if command == "self-test":
         return selftest.main(args)
+    if command == "report":
+        return report.main(args)
     as_json = getattr(args, "json", False)
     if command == "doctor":
-        try:
-            report = collect(try_import=getattr(args, "try_import", False),
-                             self_test=getattr(args, "self_test", False))
-        except Exception as exc:  # noqa: BLE001 - doctor reports, it never dies with a traceback
-            return _emit(as_json, command, EXIT_PATCH_FAILED, None, f"doctor failed: {type(exc).__name__}: {exc}")
-        print(json.dumps(report, indent=2) if as_json else doctor_text(report))
-        return report["exit_code"]
+        return _doctor(args, as_json)
     RUNTIME.ensure_prepared()
     if RUNTIME.matrix is None:
         return _emit(as_json, command, EXIT_BAD_CONFIG, None, f"inactive: {RUNTIME.config_error}", patches=[])
@@ -87,7 +103,22 @@ def main(argv: list | None = None) -> int:
         return _emit(as_json, command, EXIT_BAD_CONFIG, None,
                      f"unknown patch {args.name!r}; known: {', '.join(sorted(records))}", patch=None)
     text = explain_text(spec, records.get(args.name), RUNTIME.frameworks, _patch_doc(args.name))
-    return _emit(as_json, command, 0, text, patch=records.get(args.name), explanation=text.splitlines())
+    return _emit(as_json, command, 0, text, patch=records.get(args.name),
+                 gate=gate_data(spec, RUNTIME.frameworks), explanation=text.splitlines())
+
+
+def main(argv: list | None = None) -> int:
+    """Run one command; a reader that closes the pipe early (``| head``) ends it without a traceback."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()   # inside the try: a closed pipe fails here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the Python docs' recipe (signal module, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

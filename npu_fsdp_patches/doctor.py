@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+import traceback
 
 from . import __version__
 from .detect import detect_framework, distribution_index
@@ -88,10 +89,17 @@ def user_environment() -> dict:
     return env
 
 
+def interpreter_command() -> list:
+    """This interpreter with the flags it runs under (-I, -E, -s, ...), so a probe child sees the same
+    sys.path: under ``python -I`` a plain child read PYTHONPATH and the user site, and found
+    frameworks the parent did not."""
+    return [sys.executable, *subprocess._args_from_interpreter_flags()]
+
+
 def _child(code: str, timeout: float = 300) -> tuple:
     """Run a probe in a fresh interpreter with the user's environment; return (result dict, error)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+        proc = subprocess.run([*interpreter_command(), "-c", code], capture_output=True, text=True,
                               timeout=timeout, env=user_environment())
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout}s"
@@ -147,7 +155,10 @@ def environment_warnings(env: dict) -> list:
     if os.environ.get(_AUTOLOAD, "1") != "1":
         warnings.append(f"{_AUTOLOAD}={os.environ[_AUTOLOAD]} turns off torch's backend autoload, ours "
                         "included: patches apply only where the script runs `import npu_fsdp_patches`")
-    if env["torch"] and env["device_error"] and not environment_errors(env):
+    if not env["torch"]:
+        warnings.append(f"torch is not installed in this Python ({sys.executable}): no patch can apply "
+                        "here. Install npu-fsdp-patches into your training environment and run doctor there")
+    elif env["device_error"] and not environment_errors(env):
         warnings.append(f"torch {env['torch']} is installed but `import torch` fails: {env['device_error']}")
     return warnings
 
@@ -166,6 +177,16 @@ def import_targets_in_child() -> tuple:
     return result["patches"], result["errors"]
 
 
+def _import_error(module: str, exc: BaseException, optional: bool) -> str | None:
+    """How importing target ``module`` failed: "not found" only when the module itself (or a package
+    above it) is missing; any other error, a missing dependency included, as raised and where."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name and (module + ".").startswith(exc.name + "."):
+        return None if optional else f"import {module}: not found"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"import {module}: {type(exc).__name__}: {exc}{where}"
+
+
 def import_targets() -> list:
     """Import every enabled patch's target modules so their hooks fire here; return import errors."""
     errors = []
@@ -174,15 +195,22 @@ def import_targets() -> list:
             continue
         spec = RUNTIME.matrix.patches[record.name]
         for module in spec.target_modules:
+            # an optional module belongs to another framework generation: its absence is no error
             optional = all(t.optional for t in spec.targets if t.module == module)
             try:
                 importlib.import_module(module)
-            except ModuleNotFoundError:
-                if not optional:   # an optional module belongs to another framework generation
-                    errors.append(f"import {module}: not found")
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
-                errors.append(f"import {module}: {type(exc).__name__}: {exc}")
+                error = _import_error(module, exc, optional)
+                if error:
+                    errors.append(error)
     return errors
+
+
+def forced_pending(records: list) -> list:
+    """Errors for patches forced on (NPU_FSDP_PATCHES_ENABLE) that importing their targets left pending."""
+    return [f"{r['name']}: forced on by {PREFIX}_ENABLE but still pending after importing its targets "
+            f"(waiting for {', '.join(r['waiting_for']) or 'its target modules'}): it would not apply in "
+            "training either" for r in records if r["explicit"] and r["state"] == "pending"]
 
 
 def warnings_for(records: list) -> list:
@@ -205,7 +233,7 @@ def code_findings() -> tuple:
     An enabled patch failed on it at activation (an error); a disabled one would (a warning)."""
     errors, warnings = [], []
     for name, record in (RUNTIME.records.items() if RUNTIME.matrix is not None else ()):
-        if name not in RUNTIME._implementations:
+        if RUNTIME.provider(name) is None:
             continue   # a provider conflict, already reported
         try:
             found = RUNTIME.code_problems(name)
@@ -237,6 +265,8 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         records, import_errors = import_targets_in_child()
         if records is None:   # nothing could be verified: an error, not a warning
             import_failed, import_errors = import_errors, []
+        else:
+            import_failed = forced_pending(records)
     records = records if records is not None else RUNTIME.status()
     code_errors, code_warnings = code_findings()
     settings = RUNTIME.settings

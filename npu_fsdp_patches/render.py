@@ -5,7 +5,7 @@ import textwrap
 from typing import Iterable
 
 from .decide import check_condition
-from .matrix import PatchSpec
+from .matrix import Condition, PatchSpec
 
 WIDTH = 100
 
@@ -28,42 +28,86 @@ def _why(record: dict) -> str:
     return record["reason"]
 
 
-def _code(provenance: dict | None) -> str:
-    if not provenance:
-        return "none (see the error above)"
-    where = f"{provenance['distribution'] or 'unknown distribution'} {provenance['version'] or '(unknown version)'}"
-    return f"{where} built-in" if provenance["builtin"] else f"{where} entry point {provenance['value']}"
+def _code_lines(patches: list) -> list:
+    """Where the patch code comes from, once: one line for the built-ins, then each patch whose code
+    comes from a third-party entry point (or from nowhere) on its own line."""
+    builtin = sorted({f"{p['distribution']} {p['version']}" for r in patches
+                      if (p := r.get("provenance")) and p["builtin"]})
+    out = ["", "Patch code: " + (f"built into {', '.join(builtin)}" if builtin else "no built-in patch")
+           + ("" if all((r.get("provenance") or {}).get("builtin") for r in patches) else "; except:")]
+    col = _name_width(patches)
+    for r in patches:
+        p = r.get("provenance")
+        if p is None:
+            out.append(f"  {r['name']:<{col}} none (see its error)")
+        elif not p["builtin"]:
+            where = f"{p['distribution'] or 'unknown distribution'} {p['version'] or '(unknown version)'}"
+            out += wrap(f"  {r['name']:<{col}} {where} entry point {p['value']}", indent="    ")
+    return out
 
 
-def doctor_text(report: dict) -> str:
-    plugin, env = report["plugin"], report["environment"]
-    npu = env["torch_npu"]
-    npu_text = ("not installed" if not npu["installed"] else
-                f"{npu['version']} " + ("importable" if npu["importable"] else "NOT importable (see Errors)"))
-    torch_text = (env["torch"] or "not installed") + (" (import fails, see Warnings)" if env["device_error"]
-                                                      and env["torch"] else "")
-    lines = [f"npu-fsdp-patches {plugin['version']} doctor", "", "Environment",
-             f"  python      {env['python']} ({env['platform']})",
-             f"  torch       {torch_text}",
-             f"  torch_npu   {npu_text}",
-             f"  device      {env['device'] or '-'}", "", "Frameworks"]
-    for name, fw in report["frameworks"].items():
+def _row(head: str, text: str) -> list:
+    """``head`` then ``text``, wrapped under the row (aligned with the text while it has room)."""
+    indent = " " * (len(head) if WIDTH - len(head) >= 30 else 6)
+    lines = textwrap.wrap(text or "-", WIDTH, initial_indent=head, subsequent_indent=indent,
+                          break_on_hyphens=False)
+    return lines or [head.rstrip()]
+
+
+def _frameworks(frameworks: dict) -> list:
+    if not frameworks:
+        return []
+    lines = ["", "Frameworks", f"  {'name':<19} {'version':<24} {'source':<9} location"]
+    for name, fw in frameworks.items():
         if not fw["installed"]:
-            lines.append(fit(f"  {name:<19} " + (f"{fw['distribution']} {fw['version']}: meta package only"
-                                                  if fw["source"] == "meta package only" else "not installed")))
+            lines += _row(f"  {name:<19} ", f"{fw['distribution']} {fw['version']}: meta package only"
+                          if fw["source"] == "meta package only" else "not installed")
             continue
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
         head = f"  {name:<19} {(fw['version'] or 'unknown version') + extra:<24} {fw['source']:<9} "
         lines.append(head + _path(fw["location"], WIDTH - len(head)))
-    lines += ["", f"Patches (matrix: {_path(plugin['matrix'], WIDTH - 19)})"]
+    return lines
+
+
+def _patches(report: dict) -> list:
+    patches = report["patches"]
+    if not patches:
+        return []
+    col = max(_name_width(patches), len("patch"))
+    lines = ["", f"Patches (matrix: {_path(report['plugin']['matrix'], WIDTH - 19)})",
+             f"  {'patch':<{col}} {'decision':<9} {'state':<10} reason"]
+    for r in patches:
+        lines += _row(f"  {r['name']:<{col}} {r['decision']:<9} {r['state']:<10} ", _why(r))
+    return lines + _code_lines(patches)
+
+
+def _see(report: dict, section: str, text: str | None) -> str:
+    """"see Errors" when that section names ``text``; else ``text`` itself (never a dangling pointer)."""
+    if text and any(text in item for item in report.get(section.lower()) or []):
+        return f"see {section}"
+    return text or "see the output above"
+
+
+def _environment(report: dict) -> list:
+    env = report["environment"]
+    npu = env["torch_npu"]
+    npu_text = ("not installed" if not npu["installed"] else f"{npu['version']} " + (
+        "importable" if npu["importable"] else f"NOT importable ({_see(report, 'Errors', npu['import_error'])})"))
+    torch_text = env["torch"] or "not installed: no patch can apply in this Python"
+    if env["torch"] and env["device_error"]:
+        torch_text += f" (import fails: {_see(report, 'Warnings', env['device_error'])})"
+    return (["", "Environment", f"  python      {env['python']} ({env['platform']})"]
+            + _row("  torch       ", torch_text) + _row("  torch_npu   ", npu_text)
+            + [f"  device      {env['device'] or '-'}"])
+
+
+def doctor_text(report: dict) -> str:
+    plugin = report["plugin"]
+    lines = [f"npu-fsdp-patches {plugin['version']} doctor"] + _environment(report)
     if plugin["config_error"]:
-        lines.append(fit(f"  INACTIVE: {plugin['config_error']}"))
-    col = _name_width(report["patches"])
-    for r in report["patches"]:
-        lines.append(fit(f"  {r['name']:<{col}} {r['decision']:<9} {r['state']:<10} {_why(r)}"))
-    lines += ["", "Patch code (distribution and version)"] + [
-        fit(f"  {r['name']:<{col}} {_code(r.get('provenance'))}") for r in report["patches"]]
+        lines += ["", "Configuration"] + wrap(f"  INACTIVE: {plugin['config_error']}", indent="    ")
+    lines += _frameworks(report["frameworks"]) + _patches(report)
     if report.get("self_test") is not None:
         lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
     for title, items in (("Errors", report.get("errors") or []), ("Warnings", report["warnings"])):
@@ -126,19 +170,19 @@ def reflow(doc: str) -> list:
 def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: str | None) -> str:
     lines = wrap(f"{spec.name}: {spec.summary}")
     if record is not None:
-        lines += [fit(f"  decision  {record['decision']}: {record['reason']}"),
-                  fit(f"  state     {record['state']}" + (f": {_why(record)}" if record["state"] in
-                                                             ("failed", "skipped") else ""))]
+        lines += _row("  decision  ", f"{record['decision']}: {record['reason']}")
+        lines += _row("  state     ", record["state"] + (f": {_why(record)}" if record["state"] in
+                                                         ("failed", "skipped") else ""))
     if doc:
         lines += ["", "What it changes:"] + reflow(doc)
     lines += ["", "Targets (? = optional, absent in some framework generations):"]
     lines += [f"  {t.symbol}" + ("?" if t.optional else "") for t in spec.targets]
     lines += ["", "Gate (enabled when every condition of any one alternative holds):"]
-    for i, alternative in enumerate(spec.gate, 1):
-        for j, cond in enumerate(alternative):
-            ok, text = check_condition(cond, frameworks[cond.framework])
-            mark = "yes" if ok else "no "
-            lines.append(fit(f"  {'[' + str(i) + ']' if j == 0 else '   '} {mark} {text}"))
+    for alternative in gate_data(spec, frameworks):
+        for j, cond in enumerate(alternative["conditions"]):
+            label = f"[{alternative['alternative']}]" if j == 0 else ""
+            head = f"  {label:<3} {'yes' if cond['holds'] else 'no ':<3} {cond['requires']}: "
+            lines += wrap(head + cond["found"], indent=" " * 10)
     if spec.stand_down_probe:
         lines.append(f"Stand-down probe: {spec.stand_down_probe} (skipped when upstream already has the fix)")
     if spec.verified:
@@ -149,6 +193,32 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     if spec.facts:
         lines += wrap(f"Facts: {spec.facts}")
     return "\n".join(lines)
+
+
+def requirement(cond: Condition) -> str:
+    """What one gate condition asks for, whatever is installed: framework, flavour, version range."""
+    name = cond.framework.replace("_", "-")
+    if not cond.installed:
+        return f"{name} absent"
+    text = name + (f" [{cond.flavor} flavour]" if cond.flavor else "")
+    return text + (f" {cond.version}" if cond.version is not None else " (any version)")
+
+
+def gate_data(spec: PatchSpec, frameworks: dict) -> list:
+    """The gate as data (explain --json): per alternative, each condition's terms and verdict."""
+    out = []
+    for i, alternative in enumerate(spec.gate, 1):
+        conditions = []
+        for cond in alternative:
+            holds, found = check_condition(cond, frameworks[cond.framework])
+            conditions.append({"framework": cond.framework, "installed": cond.installed,
+                               "flavor": cond.flavor,
+                               "version": str(cond.version) if cond.version is not None else None,
+                               "note": cond.note, "requires": requirement(cond), "holds": holds,
+                               "found": found})
+        out.append({"alternative": i, "holds": all(c["holds"] for c in conditions),
+                    "conditions": conditions})
+    return out
 
 
 def _name_width(records: Iterable[dict]) -> int:

@@ -29,6 +29,7 @@ from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound, resolve
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .stale import modules_referencing
+from .summary import ActivationSummary
 
 log = logging.getLogger("npu_fsdp_patches")
 #: compute-then-commit rounds before a patch whose targets keep changing under it fails
@@ -101,6 +102,7 @@ class Runtime:
         self._watched: dict = {}             # framework module -> frameworks not found at activation
         #: frameworks found after activation: framework, module, before, after (Detected.as_dict), patches
         self.late_detections: list = []
+        self.summary = ActivationSummary()   # the NPU_FSDP_PATCHES_LOG=info line (summary.py)
 
     # -- activation -------------------------------------------------------------------------
     def activate(self, environ: Mapping[str, str] | None = None) -> None:
@@ -131,6 +133,7 @@ class Runtime:
         failures = [f for record in enabled for f in self._arm(record.name)]   # patch code: no lock
         with self._lock:
             self._scan_stale([r.name for r in enabled])
+        self.summary.update(self.snapshot)
         if failures:
             raise failures[0]
 
@@ -309,6 +312,7 @@ class Runtime:
             if failures:   # raising fails this import, and importlib drops the module: re-arm for a retry
                 self._module_discarded(name)
         self._register_hooks()
+        self.summary.update(self.snapshot)
         if failures:
             raise failures[0]
 
@@ -559,6 +563,15 @@ class Runtime:
             record.error = (f"no longer installed at {', '.join(lost)} (module reloaded or attribute replaced "
                             f"after apply); npu_fsdp_patches.apply({record.name!r}) applies it again")
             log.warning("patch %s: %s", record.name, record.error)
+
+    def snapshot(self) -> list:
+        """The status records as they are now (no liveness re-check, no hook registration)."""
+        with self._lock:
+            return [r.as_dict() for r in self.records.values()]
+
+    def provider(self, name: str):
+        """The loader.Provider whose code implements ``name``; None on a provider conflict."""
+        return self._implementations.get(name)
 
     def status(self) -> list:
         with self._lock:

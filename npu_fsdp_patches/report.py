@@ -1,0 +1,118 @@
+"""``npu-fsdp-patches report``: one bug report, written as OUTPUT.json and its Markdown rendering
+OUTPUT.md (to paste into an issue). Schema "npu-fsdp-patches/report": docs/cli.md#report.
+
+It bundles doctor's JSON (with ``--import``), the ``self-test --json`` result (run as a child with a
+time limit, or the reason it was skipped) and report_env's facts about the machine. Exit code 0 when
+both files are written, whatever they report; 2 when they cannot be written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from . import report_env
+from .doctor import collect, interpreter_command, user_environment
+from .render import doctor_text
+
+SCHEMA, SCHEMA_VERSION = "npu-fsdp-patches/report", 1
+DEFAULT_OUTPUT = "npu-fsdp-patches-report"
+DEFAULT_SELF_TEST_TIMEOUT_S = 900.0
+EXIT_WRITTEN, EXIT_CANNOT_WRITE = 0, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="PATH",
+                        help=f"write PATH.json and PATH.md (default: {DEFAULT_OUTPUT} in this folder)")
+    parser.add_argument("--no-self-test", action="store_true", help="do not run the self-test")
+    parser.add_argument("--self-test-timeout", type=float, default=DEFAULT_SELF_TEST_TIMEOUT_S, metavar="S",
+                        help=f"seconds the self-test may take (default {DEFAULT_SELF_TEST_TIMEOUT_S:g})")
+
+
+def run_self_test(timeout: float) -> dict:
+    """``self-test --json`` in a child interpreter: its result, or {"skipped": why} / {"error": ...}."""
+    command = [*interpreter_command(), "-m", "npu_fsdp_patches", "self-test", "--json", "--timeout", f"{timeout:g}"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60,
+                              env=user_environment())
+    except subprocess.TimeoutExpired:
+        return {"error": f"the self-test did not finish within {timeout + 60:g}s and was stopped"}
+    except OSError as exc:
+        return {"error": f"cannot start the self-test: {exc}"}
+    try:
+        return {"exit_code": proc.returncode, "result": json.loads(proc.stdout)}
+    except ValueError:
+        return {"exit_code": proc.returncode, "error": "the self-test printed no JSON result",
+                "stderr_tail": proc.stderr[-3000:]}
+
+
+def collect_report(self_test: bool, self_test_timeout: float) -> dict:
+    doctor = collect(try_import=True)
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "system": report_env.system(),
+            "packages": report_env.packages(), "ascend": report_env.ascend(), "doctor": doctor,
+            "self_test": (run_self_test(self_test_timeout) if self_test
+                          else {"skipped": "--no-self-test was given"})}
+
+
+def _ascend_rows(ascend: dict) -> list:
+    smi = ascend["npu_smi"]
+    if smi["status"] == "ok":
+        npus = ", ".join(f"{n} x {model}" for model, n in smi["models"].items())
+        npus += f" (npu-smi {smi['version']})" if smi.get("version") else ""
+    else:
+        npus = f"npu-smi: {smi['status']}"
+    return [("CANN toolkit", ascend["cann_toolkit"]["version"]), ("NPU driver", ascend["driver"]["version"]),
+            ("NPUs", npus)]
+
+
+def _self_test_md(result: dict) -> list:
+    if "skipped" in result:
+        return [f"Skipped: {result['skipped']}."]
+    if "result" not in result:
+        return [f"Error: {result['error']}."] + (["", "```text", result["stderr_tail"].strip(), "```"]
+                                                  if result.get("stderr_tail") else [])
+    data = result["result"]
+    lines = [f"{'PASSED' if data.get('passed') else 'FAILED'} on {data.get('device')} "
+             f"({data.get('backend')}, {data.get('world_size')} ranks); exit code {result['exit_code']}", "",
+             "| check | status | reason |", "| --- | --- | --- |"]
+    return lines + [f"| {c['name']} | {c['status']} | {(c.get('reason') or '').replace('|', '/')} |"
+                    for c in data.get("checks") or []]
+
+
+def markdown(report: dict, json_name: str) -> str:
+    """The report as Markdown for an issue; the JSON file holds everything."""
+    system = report["system"]
+    rows = [("time (UTC)", system["time"]), ("host", system["host"]), ("OS", system["os"]),
+            ("kernel", f"{system['kernel']} ({system['machine']})"), ("Python", system["python"])]
+    rows += _ascend_rows(report["ascend"])
+    lines = ["## npu-fsdp-patches report", "", "| | |", "| --- | --- |"]
+    lines += [f"| {key} | {value} |" for key, value in rows]
+    lines += ["", "### Packages", "", "| package | version |", "| --- | --- |"]
+    lines += [f"| {name} | {version} |" for name, version in report["packages"].items()]
+    lines += ["", f"### Doctor (exit code {report['doctor']['exit_code']})", "", "```text",
+              doctor_text(report["doctor"]), "```", "", "### Self-test", ""] + _self_test_md(report["self_test"])
+    lines += ["", f"Full data: `{json_name}` (schema {SCHEMA} {SCHEMA_VERSION})."]
+    return "\n".join(lines) + "\n"
+
+
+def output_paths(output: str) -> tuple:
+    base = Path(output)
+    if base.suffix in (".json", ".md"):
+        base = base.with_suffix("")
+    return base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
+
+
+def main(args: argparse.Namespace) -> int:
+    json_path, md_path = output_paths(args.output)
+    report = collect_report(not args.no_self_test, args.self_test_timeout)
+    try:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        md_path.write_text(markdown(report, json_path.name), encoding="utf-8")
+    except OSError as exc:
+        print(f"npu-fsdp-patches report: cannot write {json_path} / {md_path}: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
+    print(f"wrote {json_path} and {md_path}")
+    return EXIT_WRITTEN

@@ -1,0 +1,69 @@
+"""The one activation summary line per process (NPU_FSDP_PATCHES_LOG=info; docs/cli.md#activation-summary).
+
+When: once, at the first moment no enabled patch is pending any more (at activation when nothing
+waits; else when the training script imports the last target module), or at interpreter exit for
+patches whose targets were never imported. Under torch.distributed only rank 0 logs it: the launcher
+sets ``RANK`` before the process starts, so it is read from the environment (torch is not imported).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+from typing import Callable
+
+log = logging.getLogger("npu_fsdp_patches")
+
+_ORDER = ("applied", "skipped", "failed", "reverted", "pending")
+
+
+def summary_line(records: list) -> str:
+    """``npu_fsdp_patches: 2 of 7 patches enabled: applied a, b; pending c (waits for import of m)``."""
+    enabled = [r for r in records if r["decision"] == "enabled"]
+    head = f"npu_fsdp_patches: {len(enabled)} of {len(records)} patches enabled"
+    if not enabled:
+        return head
+    parts = []
+    for state in _ORDER:
+        names = []
+        for r in enabled:
+            if r["state"] != state:
+                continue
+            waits = (f" (waits for import of {', '.join(r['waiting_for'])})"
+                     if state == "pending" and r["waiting_for"] else "")
+            names.append(r["name"] + waits)
+        if names:
+            parts.append(f"{state} {', '.join(names)}")
+    return f"{head}: {'; '.join(parts)}"
+
+
+def _rank_zero() -> bool:
+    rank = os.environ.get("RANK", "0").strip() or "0"
+    return rank == "0"
+
+
+class ActivationSummary:
+    """Logs :func:`summary_line` once per process; ``snapshot`` returns the status records."""
+
+    def __init__(self) -> None:
+        self._done = False
+        self._lock = threading.Lock()
+        self._exit_hook = False
+
+    def update(self, snapshot: Callable[[], list], final: bool = False) -> None:
+        """Log the line if every enabled patch has settled (or ``final``); a no-op after the first."""
+        if self._done or not log.isEnabledFor(logging.INFO) or not _rank_zero():
+            return
+        records = snapshot()
+        settled = not any(r["decision"] == "enabled" and r["state"] == "pending" for r in records)
+        with self._lock:
+            if self._done:
+                return
+            if not (settled or final):
+                if not self._exit_hook:
+                    self._exit_hook = True
+                    atexit.register(self.update, snapshot, True)
+                return
+            self._done = True
+        log.info("%s", summary_line(records))
