@@ -49,13 +49,23 @@ def test_alias_and_main_params():
     flat = [p for group in opt.float16_groups for p in group]
     mains = [p for group in opt.fp32_from_float16_groups for p in group]
     assert len(flat) == len(mains) == 4 and not any(opt.fp32_from_fp32_groups)
-    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(m) for m in mains}
+    # torch code sees the model params (identity, as named_parameters()); the leaves step the mains
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == \
+        [id(opt.model_param(m)) for leaf in opt.leaf_optimizers for g in leaf.param_groups for m in g["params"]]
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in flat}
+    assert {id(m) for leaf in opt.leaf_optimizers for g in leaf.param_groups for m in g["params"]} == \
+        {id(m) for m in mains}
 
 
 def test_fp32_params_are_their_own_main_param():
     model, _, opt = make(torch.float32)
     assert all(p.main_param is p for p in model.parameters())
-    assert opt.state_dict()["_mixed_precision_optimizer"]["fp32_from_fp16_params"] == {}
+    backward(model)
+    opt.step()
+    assert opt.main_params_by_fqn() == {}
+    assert all("main_param" not in s for s in opt.state_dict()["state"].values())   # +0 B for fp32
+    assert all(opt.state[p] is opt.leaf_optimizers[0].state[p] or opt.state[p] is opt.leaf_optimizers[1].state[p]
+               for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
@@ -142,8 +152,9 @@ def test_lr_scheduler_and_clipping_work_on_the_wrapper():
     model, _, opt = make()
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     backward(model)
-    opt.prepare_grads()
-    mains = [p for g in opt.param_groups for p in g["params"]]
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1e9)  # model grads
+    opt.prepare_grads()   # Megatron's split step: the grads now live on the main params
+    mains = [opt.main_param(p) for g in opt.param_groups for p in g["params"]]
     norm = torch.nn.utils.clip_grad_norm_(mains, 1e-3)
     assert norm > 1e-3
     assert torch.nn.utils.get_total_norm([p.grad for p in mains]) <= 1e-3 * 1.0001
@@ -157,53 +168,113 @@ def test_lr_scheduler_and_clipping_work_on_the_wrapper():
     assert len(opt.state) == 4 and opt.defaults
 
 
-def test_state_dict_is_fqn_keyed_and_round_trips_exactly():
-    model, _, opt = make()
-    for step in range(2):
+def _trained(seed=0, steps=2):
+    model, _, opt = make(seed=seed)
+    for step in range(steps):
         backward(model, step)
         opt.step()
         opt.zero_grad()
-    sd = opt.state_dict()
-    assert set(sd["state"]) == {"embed.weight", "body.weight", "body.bias", "lm_head.weight"}
-    assert set(sd["state"]["body.weight"]) == {"momentum_buffer"}
-    assert set(sd["state"]["lm_head.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
-    assert [g["params"] for g in sd["param_groups"]] == [["embed.weight", "body.bias", "lm_head.weight"],
-                                                         ["body.weight"]]
-    mains = sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"]
-    assert all(mains[n] is p.main_param for n, p in model.named_parameters())
+    return model, opt
 
-    model2, _, opt2 = make(seed=1)
+
+def test_state_dict_is_torch_layout_with_main_params_and_round_trips_exactly():
+    model, opt = _trained()
+    sd = opt.state_dict()
+    names = [opt.fqn(p) for g in opt.param_groups for p in g["params"]]
+    assert names == ["embed.weight", "body.bias", "lm_head.weight", "body.weight"]
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1, 2], [3]]
+    assert set(sd["state"][3]) == {"momentum_buffer", "main_param"}
+    assert set(sd["state"][2]) == {"step", "exp_avg", "exp_avg_sq", "main_param"}
+    assert all(sd["state"][i]["main_param"] is model.get_parameter(n).main_param for i, n in enumerate(names))
+    mains = {n: sd["state"][i]["main_param"].clone() for i, n in enumerate(names)}
+
+    model2, opt2 = _trained(seed=1, steps=1)
     opt2.load_state_dict(sd)
     for name, p in model2.named_parameters():      # main params restored, not rebuilt from bf16
         assert torch.equal(p.main_param, mains[name]), name
+        assert torch.equal(opt2.state[p]["main_param"], mains[name])
     assert torch.equal(opt2.leaf_optimizers[1].state[model2.body.weight.main_param]["momentum_buffer"],
-                       sd["state"]["body.weight"]["momentum_buffer"])
+                       sd["state"][3]["momentum_buffer"])
+
+
+def test_torch_state_dict_api_round_trips_nested_and_flattened():
+    """get/set_optimizer_state_dict on one process: FQN keys, main params exact, and the call
+    primes no step on an optimizer that already has state (its moments stay bit for bit)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    model, opt = _trained()
+    moments = {id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for p, s in opt.state.items()}
+    for flatten in (False, True):
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        osd = get_optimizer_state_dict(model, opt, options=options)
+        key = "state.body.weight.main_param" if flatten else None
+        main = osd[key] if flatten else osd["state"]["body.weight"]["main_param"]
+        assert main is model.body.weight.main_param
+        for p, s in opt.state.items():
+            for k, v in moments[id(p)].items():
+                assert torch.equal(s[k], v), (opt.fqn(p), k)
+        model2, opt2 = _trained(seed=1, steps=1)
+        set_optimizer_state_dict(model2, opt2, osd, options=options)
+        for name, p in model2.named_parameters():
+            assert torch.equal(p.main_param, model.get_parameter(name).main_param), (flatten, name)
+            for k, v in opt.state[model.get_parameter(name)].items():
+                assert torch.equal(opt2.state[p][k], v), (flatten, name, k)
 
 
 def test_plain_state_dict_rebuilds_main_params_with_warning():
-    model, _, opt = make()
-    backward(model)
-    opt.step()
-    sd = opt.state_dict()
-    del sd["_mixed_precision_optimizer"]
+    from npu_fsdp_patches.optim import drop_main_params
+    model, opt = _trained(steps=1)
+    sd = drop_main_params(opt.state_dict())
+    assert all("main_param" not in s for s in sd["state"].values())
+    assert all("main_param" in s for s in opt.state_dict()["state"].values())   # a copy was changed
     model2, _, opt2 = make(seed=1)
     with pytest.warns(UserWarning, match="fp32 tails"):
         opt2.load_state_dict(sd)
     assert all(torch.equal(p.main_param, p.float()) for p in model2.parameters())
 
 
-def test_partial_state_dict_raises_before_loading_anything():
-    model, _, opt = make()
-    backward(model)
-    opt.step()
+def test_legacy_layout_loads_with_its_main_params():
+    """The earlier layout (FQN-keyed state + _mixed_precision_optimizer section) still loads."""
+    model, opt = _trained()
     sd = opt.state_dict()
-    for name in ("body.weight", "embed.weight"):
-        del sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"][name]
+    names = [opt.fqn(p) for g in opt.param_groups for p in g["params"]]
+    legacy = {"state": {names[i]: {k: v for k, v in s.items() if k != "main_param"} for i, s in sd["state"].items()},
+              "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+              "_mixed_precision_optimizer": {"fp32_from_fp16_params": opt.main_params_by_fqn()}}
+    model2, _, opt2 = make(seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.load_state_dict(legacy)
+    for name, p in model2.named_parameters():
+        assert torch.equal(p.main_param, model.get_parameter(name).main_param), name
+
+
+def test_a_main_param_left_unloaded_is_rebuilt_from_the_loaded_model():
+    """DCP with allow_partial_load leaves a template's main param as it was: the live main param
+    still holding the fresh values. Loading must not keep it over the loaded model."""
+    model, opt = _trained()
+    model2, opt2 = _trained(seed=1, steps=1)   # has state, as DCP's template after torch primes it
+    sd2 = opt2.state_dict()           # template: the live main params of opt2
+    for i, s in opt.state_dict()["state"].items():   # "load" everything but main params
+        for k, v in s.items():
+            if k != "main_param" and torch.is_tensor(sd2["state"].get(i, {}).get(k)):
+                sd2["state"][i][k].copy_(v)
+    model2.load_state_dict(model.state_dict())
+    with pytest.warns(UserWarning, match="fp32 tails"):
+        opt2.load_state_dict(sd2)
+    assert all(torch.equal(p.main_param, p.float()) for p in model2.parameters())
+
+
+def test_partial_state_dict_raises_before_loading_anything():
+    model, opt = _trained(steps=1)
+    sd = opt.state_dict()
+    sd["state"] = {i: dict(s) for i, s in sd["state"].items()}
+    for i in (0, 3):   # embed.weight, body.weight
+        del sd["state"][i]["main_param"]
     model2, _, opt2 = make(seed=1)
     backward(model2, 5)
     opt2.step()
-    before = ({k: v.clone() for k, v in opt2.state_dict()["_mixed_precision_optimizer"]
-               ["fp32_from_fp16_params"].items()},
+    before = ({k: v.clone() for k, v in opt2.main_params_by_fqn().items()},
               {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt2.state.items()})
     with pytest.raises(ValueError, match="body.weight, embed.weight"):
         opt2.load_state_dict(sd)
@@ -214,13 +285,39 @@ def test_partial_state_dict_raises_before_loading_anything():
 
 
 def test_mismatched_groups_raise_before_loading():
-    model, _, opt = make()
-    backward(model)
-    opt.step()
+    model, opt = _trained(steps=1)
     sd = opt.state_dict()
-    sd["param_groups"][0]["params"] = ["embed.weight", "lm_head.weight", "body.bias"]
-    with pytest.raises(ValueError, match="group 0"):
+    sd["param_groups"][0]["params"] = [0, 1]
+    with pytest.raises(ValueError, match=r"MainParamsOptimizer.load_state_dict: saved param group sizes \[2, 1\]"):
         opt.load_state_dict(sd)
+    with pytest.raises(ValueError, match="has 4 param groups, the wrapped optimizers have 2"):
+        opt.load_state_dict({"state": {}, "param_groups": sd["param_groups"] * 2})
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_and_pickles_step_bit_identically(how):
+    """Issue 17 item 8: deepcopy/pickle work as on any torch optimizer, and the copy steps the same."""
+    import copy
+    import pickle
+    model, opt = _trained()
+    opt.register_step_post_hook(lambda *a: None)   # hooks are dropped, as torch's Optimizer drops them
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert twin.model is not model and twin.leaf_optimizers[0] is not opt.leaf_optimizers[0]
+    assert len(twin._optimizer_step_post_hooks) == 0
+    for tm, m in zip(twin.model.parameters(), model.parameters()):
+        assert tm.main_param is twin.main_param(tm) and tm.main_param is not m.main_param
+    for step in (5, 6):
+        for o in (opt, twin):
+            backward(o.model, step)
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), twin.model.parameters()):
+        assert torch.equal(p, q) and torch.equal(p.main_param, q.main_param), name
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, twin.state[q][k]), (name, k)
+    nudged = twin.model.body.weight.main_param
+    nudged.data.view(torch.int32)[0] += 1           # negative control: 1 ulp is visible
+    assert not torch.equal(model.body.weight.main_param, nudged)
 
 
 class CachingMuon(getattr(torch.optim, "Muon", torch.optim.SGD)):   # torch < 2.9: a Muon-named SGD

@@ -72,7 +72,7 @@ def test_state_dict_hooks_fire_and_may_replace_the_dict():
     opt.register_state_dict_pre_hook(lambda o: log.append(("pre", o)))
     opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 7})
     sd = opt.state_dict()
-    assert log == [("pre", opt)] and sd["extra"] == 7 and "_mixed_precision_optimizer" in sd
+    assert log == [("pre", opt)] and sd["extra"] == 7 and "main_param" in sd["state"][0]
 
     model2, _, opt2 = make(seed=1)
     seen = []
@@ -85,7 +85,7 @@ def test_state_dict_hooks_fire_and_may_replace_the_dict():
     opt2.register_load_state_dict_post_hook(lambda o: log.append(("load_post", o)))
     opt2.load_state_dict(sd)
     assert seen == [7] and sd["extra"] == 7 and log[-1] == ("load_post", opt2)
-    assert all(torch.equal(p.main_param, sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"][n])
+    assert all(torch.equal(p.main_param, model.get_parameter(n).main_param)
                for n, p in model2.named_parameters())
 
 
@@ -103,17 +103,22 @@ def test_load_state_dict_pre_hook_can_substitute_the_dict():
 def test_state_writes_reach_the_owning_leaf():
     model, chain, opt = make()
     muon, adamw = chain.optimizers_dict["muon"], chain.optimizers_dict["adamw"]
-    w, b = model.body.weight.main_param, model.body.bias.main_param
+    w, b = model.body.weight, model.body.bias      # state is keyed by model params, as torch's API needs
     assert w not in opt.state and opt.state.get(w) is None and len(opt.state) == 0
-    opt.state[w] = {"momentum_buffer": torch.ones_like(w)}
-    assert muon.state[w] is opt.state[w] and w not in adamw.state
+    saved_main = torch.full_like(w.main_param, 0.25)
+    opt.state[w] = {"momentum_buffer": torch.ones_like(w.main_param), "main_param": saved_main}
+    assert muon.state[w.main_param] == {"momentum_buffer": opt.state[w]["momentum_buffer"]}
+    assert w.main_param not in adamw.state and torch.equal(w.main_param, saved_main)   # copied in place
+    assert opt.state[w]["main_param"] is w.main_param and set(opt.state[w]) == {"momentum_buffer", "main_param"}
     opt.state[b]["marker"] = 1                          # defaultdict semantics, as on a plain optimizer
-    assert adamw.state[b] == {"marker": 1}
+    assert adamw.state[b.main_param] == {"marker": 1}
     assert set(map(id, opt.state)) == {id(w), id(b)} and len(opt.state) == 2
     del opt.state[b]
-    assert b not in adamw.state
-    with pytest.raises(KeyError, match=r"model param 'body.weight'.*main_param"):
-        opt.state[model.body.weight] = {}
+    assert b.main_param not in adamw.state
+    with pytest.raises(TypeError, match="cannot be deleted"):
+        del opt.state[w]["main_param"]
+    with pytest.raises(KeyError, match=r"fp32 main param of 'body.weight'.*keyed by the model param"):
+        opt.state[w.main_param] = {}
     with pytest.raises(KeyError, match="no param of the wrapped optimizers"):
         opt.state[torch.zeros(1)]
     with pytest.raises(AttributeError, match="state is a view"):

@@ -13,6 +13,7 @@ _EXPORTS = {
     "Float16OptimizerWithFloat16Params": "main_params",
     "save_checkpoint": "main_params_checkpoint",
     "load_checkpoint": "main_params_checkpoint",
+    "drop_main_params": "_main_params_state",
     "validate_fp32_main_params_config": "model_dtype",
     "apply_model_init_dtype": "model_dtype",
     "build_muon_adamw": "muon_routing",

@@ -1,9 +1,13 @@
 """Write-through views of a wrapper optimizer's leaf optimizers: ``state``, ``param_groups``, ``defaults``.
 
-torch code handed an optimizer (LR schedulers, grad clipping, checkpoint helpers) reads *and
-writes* these attributes. A wrapper that rebuilt a fresh dict or list on each access would drop
-those writes silently. These views send every write to the leaf optimizer that owns the param,
-and refuse, with an error saying what to do instead, any write that has no owner.
+torch code handed an optimizer (LR schedulers, grad clipping, torch's distributed state-dict API)
+reads *and writes* these attributes, and matches params by identity with the model's
+``named_parameters()``. So the views show the *model* params: ``param_groups[i]["params"]`` lists
+model params and ``state`` is keyed by model params, while the leaf optimizers step on the fp32
+main params behind them. A low-precision param's state also holds its fp32 main param under
+``"main_param"`` (as Transformer Engine's ``FusedAdam`` keeps ``master_param``). Every write goes
+to the leaf optimizer that owns the param or group; a write that has no owner is refused with an
+error saying what to do instead.
 """
 from __future__ import annotations
 
@@ -12,91 +16,184 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["LeafState", "LeafParamGroups", "ReadOnlyDefaults"]
+__all__ = ["MAIN_PARAM", "LeafState", "LeafParamGroups", "ModelParamGroup", "ReadOnlyDefaults"]
+
+#: per-param state key of the fp32 main param of a bf16/fp16 param
+MAIN_PARAM = "main_param"
+
+ModelOf = Callable[[torch.Tensor], torch.Tensor]
+CopyInto = Callable[[torch.Tensor, Any], None]
 
 
-class LeafState(MutableMapping):
-    """``{param: state}`` across the leaf optimizers; reads and writes go to the owning leaf.
+class ModelParamGroup(MutableMapping):
+    """A leaf param group as torch code sees it: ``"params"`` lists the model params; every other
+    entry is the leaf group's own, read and written in place (``group["lr"] = ...``)."""
 
-    Like a plain optimizer's ``state`` (a ``defaultdict(dict)``), reading a param that has no state
-    yet creates its empty dict, in its leaf. A key that is no optimizer param is refused:
-    ``describe(param)`` says why (e.g. that it is a model param whose state lives under its main
-    param).
-    """
+    def __init__(self, group: dict, model_of: ModelOf, owner: str) -> None:
+        self._group = group
+        self._params = [model_of(p) for p in group["params"]]
+        self._owner_name = owner
 
-    def __init__(self, leaves: list[torch.optim.Optimizer],
-                 describe: Callable[[Any], str]) -> None:
-        self._leaves = leaves
-        self._describe = describe
-        self._owner_by_id: dict[int, torch.optim.Optimizer] = {}
+    def __getitem__(self, key: str) -> Any:
+        return self._params if key == "params" else self._group[key]
 
-    def _owner(self, param: Any) -> torch.optim.Optimizer | None:
-        leaf = self._owner_by_id.get(id(param))
-        if leaf is None:   # first use, or a param added to a leaf after wrapping
-            self._owner_by_id = {id(p): leaf for leaf in self._leaves
-                                 for group in leaf.param_groups for p in group["params"]}
-            leaf = self._owner_by_id.get(id(param))
-        return leaf
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise TypeError(f"{self._owner_name}: a param group's params are fixed when the wrapper is "
+                            f"built; change the leaf optimizer before wrapping it")
+        self._group[key] = value
 
-    def _leaf_for_write(self, param: Any) -> torch.optim.Optimizer:
-        leaf = self._owner(param)
-        if leaf is None:
-            raise KeyError(f"cannot use {self._describe(param)} as a key of the optimizer state: "
-                           f"it is in no param group of the wrapped optimizers")
-        return leaf
+    def __delitem__(self, key: str) -> None:
+        if key == "params":
+            self[key] = None   # refused, same message
+        del self._group[key]
 
-    def __getitem__(self, param: Any) -> Any:
-        return self._leaf_for_write(param).state[param]
-
-    def __setitem__(self, param: Any, value: Any) -> None:
-        self._leaf_for_write(param).state[param] = value
-
-    def __delitem__(self, param: Any) -> None:
-        del self._leaf_for_write(param).state[param]
-
-    def __contains__(self, param: object) -> bool:
-        leaf = self._owner(param)
-        return leaf is not None and param in leaf.state
-
-    def get(self, param: Any, default: Any = None) -> Any:
-        leaf = self._owner(param)
-        return default if leaf is None else leaf.state.get(param, default)
-
-    def __iter__(self) -> Iterator[Any]:
-        for leaf in self._leaves:
-            yield from list(leaf.state)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group)
 
     def __len__(self) -> int:
-        return sum(len(leaf.state) for leaf in self._leaves)
+        return len(self._group)
 
     def __repr__(self) -> str:
-        return f"LeafState({len(self)} params over {len(self._leaves)} leaf optimizer(s))"
+        return repr(dict(self))
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return dict, (dict(self),)   # copies and pickles are plain dicts
 
 
 class LeafParamGroups(list):
-    """The leaf optimizers' param-group dicts themselves, in leaf order.
+    """The leaf optimizers' param groups, in leaf order, as :class:`ModelParamGroup` views.
 
-    Entries of a group (``group["lr"] = ...``, as LR schedulers do) are written straight into the
-    leaf's group. Adding, removing or replacing whole groups is refused: the wrapper's main params
-    are made when it is built, so groups belong on the leaf optimizer before wrapping.
+    Adding, removing or replacing whole groups is refused: the wrapper's main params are made when
+    it is built, so groups belong on the leaf optimizer before wrapping.
     """
 
     _REFUSAL = ("{owner}.param_groups is a view of the wrapped optimizers' param groups: edit a "
                 "group's entries in place (group['lr'] = ...); add, remove or replace groups on the "
                 "leaf optimizer before wrapping it")
 
-    def __init__(self, leaves: list[torch.optim.Optimizer], owner: str) -> None:
-        super().__init__(group for leaf in leaves for group in leaf.param_groups)
+    def __init__(self, leaves: list[torch.optim.Optimizer], model_of: ModelOf, owner: str) -> None:
+        super().__init__(ModelParamGroup(group, model_of, owner)
+                         for leaf in leaves for group in leaf.param_groups)
         self._owner_name = owner
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(self._REFUSAL.format(owner=self._owner_name))
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
-        return list, (list(self),)   # copies and pickles are plain lists of the same groups
+        return list, (list(self),)   # copies and pickles are plain lists
 
     append = extend = insert = remove = pop = clear = sort = reverse = _refuse
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+
+class MainParamEntry(MutableMapping):
+    """``state[model_param]`` of a bf16/fp16 param: its leaf state (keyed there by the main param)
+    plus ``"main_param"``, the fp32 main param itself. Writing ``"main_param"`` copies the values
+    into the main param (its identity stays: the leaf optimizer steps on it)."""
+
+    def __init__(self, leaf_state: dict, main: torch.Tensor, copy_into: CopyInto) -> None:
+        self._state, self._main, self._copy_into = leaf_state, main, copy_into
+
+    def __getitem__(self, key: str) -> Any:
+        return self._main if key == MAIN_PARAM else self._state[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == MAIN_PARAM:
+            self._copy_into(self._main, value)
+        else:
+            self._state[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key == MAIN_PARAM:
+            raise TypeError("the fp32 main param of a bf16/fp16 param cannot be deleted from its state")
+        del self._state[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from list(self._state)
+        yield MAIN_PARAM
+
+    def __len__(self) -> int:
+        return len(self._state) + 1
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class LeafState(MutableMapping):
+    """``{model_param: state}`` across the leaf optimizers; reads and writes go to the owning leaf.
+
+    A param is in the view exactly when its leaf optimizer holds state for its main param, so the
+    view is empty exactly when the leaves are (torch's ``_init_optim_state`` primes an optimizer
+    whose ``state`` is empty). Like a plain optimizer's ``state`` (a ``defaultdict(dict)``), reading
+    a param that has no state yet creates its empty dict, in its leaf. A key that is no model param
+    of the wrapped optimizers is refused: ``describe(key)`` says why.
+    """
+
+    def __init__(self, leaves: list[torch.optim.Optimizer], main_of: Callable[[Any], Any],
+                 model_of: ModelOf, describe: Callable[[Any], str], copy_into: CopyInto) -> None:
+        self._leaves = leaves
+        self._main_of, self._model_of = main_of, model_of
+        self._describe, self._copy_into = describe, copy_into
+        self._owner_by_id: dict[int, torch.optim.Optimizer] = {}
+
+    def _owner(self, param: Any) -> tuple[torch.optim.Optimizer | None, Any]:
+        main = self._main_of(param)
+        if main is None:
+            return None, None
+        leaf = self._owner_by_id.get(id(main))
+        if leaf is None:
+            self._owner_by_id = {id(p): leaf for leaf in self._leaves
+                                 for group in leaf.param_groups for p in group["params"]}
+            leaf = self._owner_by_id.get(id(main))
+        return leaf, main
+
+    def _leaf_for(self, param: Any) -> tuple[torch.optim.Optimizer, Any]:
+        leaf, main = self._owner(param)
+        if leaf is None:
+            raise KeyError(f"cannot use {self._describe(param)} as a key of the optimizer state: "
+                           f"it is no model param of the wrapped optimizers' param groups")
+        return leaf, main
+
+    def _entry(self, leaf_state: dict, main: Any, param: Any) -> Any:
+        return leaf_state if main is param else MainParamEntry(leaf_state, main, self._copy_into)
+
+    def __getitem__(self, param: Any) -> Any:
+        leaf, main = self._leaf_for(param)
+        return self._entry(leaf.state[main], main, param)
+
+    def __setitem__(self, param: Any, value: Any) -> None:
+        leaf, main = self._leaf_for(param)
+        if main is param:
+            leaf.state[main] = value
+            return
+        value = dict(value)
+        saved_main = value.pop(MAIN_PARAM, None)
+        leaf.state[main] = value
+        if saved_main is not None:
+            self._copy_into(main, saved_main)
+
+    def __delitem__(self, param: Any) -> None:
+        leaf, main = self._leaf_for(param)
+        del leaf.state[main]
+
+    def __contains__(self, param: object) -> bool:
+        leaf, main = self._owner(param)
+        return leaf is not None and main in leaf.state
+
+    def get(self, param: Any, default: Any = None) -> Any:
+        return self[param] if param in self else default
+
+    def __iter__(self) -> Iterator[Any]:
+        for leaf in self._leaves:
+            for main in list(leaf.state):
+                yield self._model_of(main)
+
+    def __len__(self) -> int:
+        return sum(len(leaf.state) for leaf in self._leaves)
+
+    def __repr__(self) -> str:
+        return f"LeafState({len(self)} params over {len(self._leaves)} leaf optimizer(s))"
 
 
 class ReadOnlyDefaults(Mapping):

@@ -1,75 +1,136 @@
-"""Translate leaf-optimizer state dicts between torch's index keys and model-param FQNs.
+"""The state dict of a main-params wrapper in torch's own layout, and its loading.
 
-The FQN layout is the one of torch's ``get_optimizer_state_dict`` (``{"state": {fqn: {...}},
-"param_groups": [{..., "params": [fqn, ...]}]}``), with the param groups of all leaf optimizers
-concatenated in leaf order. So a plain optimizer checkpoint written by torch's own API loads into
-the wrapper, and the wrapper's names never change when params are swapped for main params.
+The wrapper's ``state_dict()`` is what a plain optimizer over the *model* params would give:
+``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``, indices counting
+the model params of all leaf optimizers' groups in leaf order. A bf16/fp16 param's entry also holds
+``"main_param"``, its fp32 main param (the very tensor, so DCP saves and loads it in place). So
+torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` map it to FQNs by identity like
+any optimizer, and DCP reshards it.
+
+Checkpoints of the earlier layout (state keyed by FQN, main params in a separate
+``_mixed_precision_optimizer.fp32_from_fp16_params`` section) are read too: :func:`upgrade_legacy`.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-FqnOf = Callable[[torch.Tensor], str]
+from ._leaf_views import MAIN_PARAM
+from .tensors import local_tensor
+
+#: the earlier layout's section of fp32 main params, ``{MP_KEY: {MAIN_PARAMS_KEY: {fqn: tensor}}}``
+MP_KEY = "_mixed_precision_optimizer"
+MAIN_PARAMS_KEY = "fp32_from_fp16_params"
+
+ModelOf = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _leaf_params(leaf: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in leaf.param_groups for p in group["params"]]
 
 
-def leaf_state_dict_by_fqn(leaves: list[torch.optim.Optimizer], fqn_of: FqnOf) -> dict:
-    """Merge the leaves' ``state_dict()``s, re-keyed by FQN (state tensors are not copied)."""
-    state, groups = {}, []
+def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf) -> dict:
+    """The leaves' ``state_dict()``s merged and renumbered; ``"main_param"`` added where the
+    model param is not its own main param. State tensors are not copied."""
+    state, groups, offset = {}, [], 0
     for leaf in leaves:
-        params = _leaf_params(leaf)
+        mains = _leaf_params(leaf)
         native = leaf.state_dict()
         for index, param_state in native["state"].items():
-            state[fqn_of(params[index])] = param_state
+            main = mains[index]
+            if model_of(main) is not main:
+                param_state = {**param_state, MAIN_PARAM: main}
+            state[offset + index] = param_state
         for group in native["param_groups"]:
-            groups.append({**group, "params": [fqn_of(params[i]) for i in group["params"]]})
+            groups.append({**group, "params": [offset + i for i in group["params"]]})
+        offset += len(mains)
     return {"state": state, "param_groups": groups}
 
 
-def _native_state_dicts(leaves: list[torch.optim.Optimizer], state_dict: dict,
-                        fqn_of: FqnOf) -> list[dict]:
-    """Per-leaf torch-native state dicts; raises on any structural mismatch, loads nothing."""
+def upgrade_legacy(state_dict: dict) -> dict:
+    """A state dict of the earlier layout with its main params moved into the per-param state
+    (FQN keys stay: loading maps saved params to current ones by position, as torch does)."""
+    section = state_dict.get(MP_KEY)
+    if section is None:
+        return state_dict
+    saved_mains = section.get(MAIN_PARAMS_KEY, {})
+    state = {key: dict(value) for key, value in state_dict.get("state", {}).items()}
+    for fqn, main in saved_mains.items():
+        state.setdefault(fqn, {})[MAIN_PARAM] = main
+    return {key: value for key, value in state_dict.items() if key != MP_KEY} | {"state": state}
+
+
+def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_of: ModelOf,
+                  owner: str) -> tuple[list[dict], dict[torch.Tensor, Any]]:
+    """Per-leaf torch-native state dicts (without ``"main_param"``) and ``{model param: saved main
+    param or None}`` for the bf16/fp16 params that have saved state. Saved params map to the current ones by position in the groups, as in torch's
+    ``Optimizer.load_state_dict``; any structural mismatch raises before anything is loaded."""
     saved_groups = state_dict.get("param_groups")
-    saved_state = state_dict.get("state", {})
     current = [g for leaf in leaves for g in leaf.param_groups]
-    if saved_groups is None or len(saved_groups) != len(current):
-        raise ValueError(f"optimizer state has {len(saved_groups or [])} param groups, the wrapped "
-                         f"optimizers have {len(current)}")
-    problems, known = [], set()
-    for g, (saved, group) in enumerate(zip(saved_groups, current)):
-        names = [fqn_of(p) for p in group["params"]]
-        known.update(names)
-        if list(saved["params"]) != names:
-            problems.append(f"group {g}: saved params {list(saved['params'])} != current {names}")
-    unknown = sorted(set(saved_state) - known)
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(current):
+        raise ValueError(f"{owner}.load_state_dict: the state dict has "
+                         f"{len(saved_groups) if isinstance(saved_groups, list) else 'no'} param "
+                         f"groups, the wrapped optimizers have {len(current)}")
+    sizes = [(len(s["params"]), len(g["params"])) for s, g in zip(saved_groups, current)]
+    if any(a != b for a, b in sizes):
+        raise ValueError(f"{owner}.load_state_dict: saved param group sizes {[a for a, _ in sizes]} "
+                         f"do not match the wrapped optimizers' {[b for _, b in sizes]}")
+    saved_state = state_dict.get("state", {})
+    keys = [k for g in saved_groups for k in g["params"]]
+    known = set(keys)
+    unknown = [k for k in saved_state if k not in known]
     if unknown:
-        problems.append(f"state for params not in any group: {unknown}")
-    if problems:
-        raise ValueError("optimizer state does not match the wrapped optimizers: " + "; ".join(problems))
-
-    natives, start = [], 0
+        raise ValueError(f"{owner}.load_state_dict: state for params in no param group: {unknown}")
+    natives, saved_mains, start = [], {}, 0
     for leaf in leaves:
-        params = _leaf_params(leaf)
-        n_groups = len(leaf.param_groups)
-        groups, index = [], 0
-        for saved in saved_groups[start:start + n_groups]:
-            count = len(saved["params"])
-            groups.append({**saved, "params": list(range(index, index + count))})
-            index += count
-        start += n_groups
-        state = {i: saved_state[fqn_of(p)] for i, p in enumerate(params) if fqn_of(p) in saved_state}
+        mains, leaf_groups = _leaf_params(leaf), saved_groups[start:start + len(leaf.param_groups)]
+        start += len(leaf.param_groups)
+        groups, leaf_keys = [], []
+        for saved in leaf_groups:
+            groups.append({**saved, "params": list(range(len(leaf_keys), len(leaf_keys) + len(saved["params"])))})
+            leaf_keys.extend(saved["params"])
+        state = {}
+        for index, (key, main) in enumerate(zip(leaf_keys, mains)):
+            if key not in saved_state:
+                continue
+            param_state = dict(saved_state[key])
+            saved_main = param_state.pop(MAIN_PARAM, None)
+            if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
+                saved_mains[model_of(main)] = saved_main
+            state[index] = param_state
         natives.append({"state": state, "param_groups": groups})
-    return natives
+    return natives, saved_mains
 
 
-def load_leaf_state_dicts(leaves: list[torch.optim.Optimizer], state_dict: dict,
-                          fqn_of: FqnOf) -> None:
-    """Validate ``state_dict`` against every leaf first, then load each leaf."""
-    natives = _native_state_dicts(leaves, state_dict, fqn_of)
-    for leaf, native in zip(leaves, natives):
-        leaf.load_state_dict(native)
+def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:
+    """Copy a saved main param into ``dst`` local shard to local shard (no collective)."""
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"main param of {name!r}: saved value is a {type(src).__name__}, not a tensor")
+    dst_local, src_local = local_tensor(dst), local_tensor(src)
+    if dst_local is src_local:
+        return
+    if dst_local.shape != src_local.shape:
+        raise ValueError(f"main param of {name!r}: saved local shape {tuple(src_local.shape)} does not "
+                         f"match {tuple(dst_local.shape)}; load sharded checkpoints through torch's "
+                         f"set_optimizer_state_dict or DCP, which reshard")
+    with torch.no_grad():
+        dst_local.copy_(src_local)
+
+
+def local_versions(mains: Iterator[torch.Tensor]) -> dict[int, int]:
+    """``{id(main): version counter of its local shard}``: an in-place load (DCP) bumps it."""
+    return {id(m): local_tensor(m)._version for m in mains}
+
+
+def drop_main_params(optim_state_dict: dict) -> dict:
+    """``optim_state_dict`` (torch's nested or flattened layout, or this wrapper's) without the fp32
+    main params: what a plain optimizer over the same model loads (its ``load_state_dict`` would
+    otherwise keep them as state, cast to the param dtype). A new dict; tensors are not copied."""
+    suffix = f".{MAIN_PARAM}"
+    if "state" not in optim_state_dict:   # flattened: "state.<fqn>.main_param"
+        return {k: v for k, v in optim_state_dict.items()
+                if not (k.startswith("state.") and k.endswith(suffix))}
+    state = {key: {k: v for k, v in value.items() if k != MAIN_PARAM}
+             for key, value in optim_state_dict["state"].items()}
+    return {k: v for k, v in optim_state_dict.items() if k != MP_KEY} | {"state": state}

@@ -17,9 +17,12 @@ hyper DTensors (whose ops fail outside ``SkipDTensorDispatch``) are never dispat
 leaf optimizers' step needs that context (``with SkipDTensorDispatch(): opt.step()``, as hyper's
 trainer runs it); construction, ``prepare_grads``, ``zero_grad`` and the state dict work outside.
 
-State dicts are keyed by model-param FQN (the layout of torch's ``get_optimizer_state_dict``), plus
-``_mixed_precision_optimizer.fp32_from_fp16_params = {fqn: fp32 main_param}`` for the
-low-precision params only. See :mod:`.main_params_checkpoint` for DCP save/load.
+To torch code the wrapper is an optimizer over the *model* params: ``param_groups`` list them,
+``state`` is keyed by them, and a bf16/fp16 param's state also holds its fp32 main param as
+``state[p]["main_param"]`` (Transformer Engine's ``FusedAdam`` keeps ``master_param`` the same
+way). So torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` and DCP save, load and
+reshard it like any optimizer (docs/main_params.md). :mod:`.main_params_checkpoint` adds
+checks on the checkpoint before loading.
 """
 from __future__ import annotations
 
@@ -29,17 +32,18 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from ._leaf_views import LeafParamGroups, LeafState, ReadOnlyDefaults
-from ._main_params_state import leaf_state_dict_by_fqn, load_leaf_state_dicts
+from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, copy_into_main, local_versions,
+                                 native_state_dict, split_by_leaf, upgrade_legacy)
 from ._param_identity import stale_param_references
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
-from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
+from ._main_param_tensors import clear_grads, fp32_grad, fp32_main_param
+from .tensors import is_foreign_dtensor, local_tensor, local_tensors
 
-MP_KEY = "_mixed_precision_optimizer"
-MAIN_PARAMS_KEY = "fp32_from_fp16_params"
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-__all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers"]
+__all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers",
+           "MAIN_PARAM", "MP_KEY", "MAIN_PARAMS_KEY"]
 
 
 def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -67,61 +71,24 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return leaves
 
 
-#: main params and their grads are contiguous on every rank: torch's fused optimizer kernels pair
-#: param, grad and state elements by memory position, so a leaf AdamW(fused=True) needs one layout
-_CONTIGUOUS_FP32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
-
-
-def _fp32_main_param(p: torch.Tensor) -> nn.Parameter:
-    """A new contiguous fp32 Parameter with ``p``'s values and DTensor layout (local shard copied,
-    never gathered)."""
-    if is_foreign_dtensor(p):
-        # nn.Parameter(dt) would call dt.detach(), an op hyper-parallel dispatches (and refuses
-        # outside SkipDTensorDispatch). Build the leaf on the local shard instead, wrap it (the
-        # wrapper takes requires_grad from it), and flag it as nn.Parameter does for subclasses.
-        local = local_tensor(p).detach().to(copy=True, **_CONTIGUOUS_FP32).requires_grad_(p.requires_grad)
-        main = type(p).from_local(local, p.device_mesh, p.placements)
-        main._is_param = True   # isinstance(main, nn.Parameter), see torch.nn.parameter._ParameterMeta
-        return main
-    if is_torch_dtensor(p):   # copy the local shard: no DTensor dispatch, no collective
-        local = local_tensor(p).detach().to(copy=True, **_CONTIGUOUS_FP32)
-        main = type(p).from_local(local, p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
-        return nn.Parameter(main, requires_grad=p.requires_grad)
-    return nn.Parameter(p.detach().to(copy=True, **_CONTIGUOUS_FP32), requires_grad=p.requires_grad)
-
-
-def _fp32_grad(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as a contiguous fp32 local shard with its DTensor layout kept; a contiguous fp32
-    grad is returned as is (no copy)."""
-    local = local_tensor(grad)
-    if grad.dtype == torch.float32 and local.is_contiguous():
-        return grad
-    cast = local.to(**_CONTIGUOUS_FP32)
-    if is_foreign_dtensor(grad):
-        return type(grad).from_local(cast, grad.device_mesh, grad.placements)
-    if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
-        return type(grad).from_local(cast, grad.device_mesh, grad.placements,
-                                     run_check=False, shape=grad.shape, stride=grad.stride())
-    return cast
-
-
 class MainParamsOptimizer(torch.optim.Optimizer):
     """Megatron-style fp32 main-param composition over one or more leaf optimizers.
 
     Args:
         optimizer: a torch optimizer, a list or dict of them, or a chained optimizer exposing
             ``chained_optimizers``/``optimizers_dict``.
-        model: the module owning the params; gives every param its FQN (state-dict keys).
+        model: the module owning the params; gives every param its FQN.
 
-    ``param_groups``, ``state`` and ``defaults`` are views of the leaf optimizers (the groups now
-    hold the main params): writes reach the leaf that owns the param or group, and writes that
-    could not take effect (new groups, new defaults, reassigning the attributes) are refused.
-    So LR schedulers, grad clipping and ``zero_grad`` behave as on a plain optimizer, and step and
-    state-dict hooks (instance and global) fire as on a plain optimizer. :meth:`step` fires the
-    step hooks; the split Megatron calls (:meth:`prepare_grads`, :meth:`step_with_ready_grads`)
-    do not, as on Megatron's own optimizer. Global step hooks also see the leaf optimizers'
-    own steps, as with torch's ``ZeroRedundancyOptimizer``, which also steps an inner optimizer.
+    ``param_groups``, ``state`` and ``defaults`` are views of the leaf optimizers shown with the
+    model params (``param_groups[i]["params"]`` are model params, ``state`` is keyed by them, a
+    bf16/fp16 param's state adds ``"main_param"``); the leaves themselves step on the main params.
+    Writes reach the leaf that owns the param or group, and writes that could not take effect
+    (new groups, new defaults, reassigning the attributes) are refused. So LR schedulers, grad
+    clipping, ``zero_grad`` and torch's distributed state-dict API behave as on a plain optimizer,
+    and step and state-dict hooks (instance and global) fire as on a plain optimizer.
+    :meth:`step` fires the step hooks; the split Megatron calls (:meth:`prepare_grads`,
+    :meth:`step_with_ready_grads`) do not, as on Megatron's own optimizer. Global step hooks also
+    see the leaf optimizers' own steps, as with torch's ``ZeroRedundancyOptimizer``.
     """
 
     def __init__(self, optimizer: Any, model: nn.Module) -> None:
@@ -129,7 +96,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.leaf_optimizers = leaf_optimizers(optimizer)
-        self._state_view = LeafState(self.leaf_optimizers, self._describe_non_optimizer_param)
+        self._main_param_by_id: dict[int, nn.Parameter] = {}
 
         fqn_by_id = {}
         for name, p in model.named_parameters():
@@ -137,13 +104,28 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.float16_groups: list[list[nn.Parameter]] = []
         self.fp32_from_float16_groups: list[list[nn.Parameter]] = []
         self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
-        self._model_param_by_id: dict[int, nn.Parameter] = {}   # optimizer (main) param -> model param
-        self._main_param_by_id: dict[int, nn.Parameter] = {}    # model param -> main param
-        self._fqn_by_id: dict[int, str] = {}                    # model or main param -> FQN
+        self._fqns: list[tuple[nn.Parameter, str]] = []   # (model param, FQN), in group order
         for leaf in self.leaf_optimizers:
             for g, group in enumerate(leaf.param_groups):
                 self._wrap_group(leaf, g, group, fqn_by_id)
+        self._index_params()
         self._rebuild_param_caches()
+
+    def _index_params(self) -> None:
+        """The id-keyed lookups and the state view, (re)built from the lists (after a copy, too)."""
+        self._model_param_by_id: dict[int, nn.Parameter] = {}   # optimizer (main) param -> model param
+        self._main_param_by_id: dict[int, nn.Parameter] = {}    # model param -> main param
+        self._fqn_by_id: dict[int, str] = {}                    # model or main param -> FQN
+        mains = {id(model): main for model, main in self._low_precision_pairs()}
+        for model, fqn in self._fqns:
+            main = mains.get(id(model), model)
+            model.main_param = main
+            self._model_param_by_id[id(main)] = model
+            self._main_param_by_id[id(model)] = main
+            self._fqn_by_id[id(model)] = self._fqn_by_id[id(main)] = fqn
+        self._state_view = LeafState(self.leaf_optimizers, self._main_of_key, self.model_param,
+                                     self._describe_non_optimizer_param, self._copy_into_main)
+        self._saved_versions: dict[int, int] = {}
 
     # ---- construction -------------------------------------------------------------------------
     def _wrap_group(self, leaf, g: int, group: dict, fqn_by_id: dict) -> None:
@@ -156,22 +138,19 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             if id(p) in self._main_param_by_id:
                 raise ValueError(f"parameter {fqn!r} appears in more than one param group")
             if p.dtype in LOW_PRECISION:
-                main = _fp32_main_param(p)
+                main = fp32_main_param(p)
                 group["params"][i] = main
                 if p in leaf.state:
                     leaf.state[main] = leaf.state.pop(p)
                 float16.append(p)
                 fp32_from_float16.append(main)
             elif p.dtype == torch.float32:
-                main = p
                 fp32_from_fp32.append(p)
             else:
                 raise TypeError(f"parameter {fqn!r} has dtype {p.dtype}; MainParamsOptimizer "
                                 f"supports float16, bfloat16 and float32 params only")
-            p.main_param = main
-            self._model_param_by_id[id(main)] = p
-            self._main_param_by_id[id(p)] = main
-            self._fqn_by_id[id(p)] = self._fqn_by_id[id(main)] = fqn
+            self._fqns.append((p, fqn))
+            self._main_param_by_id[id(p)] = p   # duplicates check; _index_params rebuilds it
         self.float16_groups.append(float16)
         self.fp32_from_float16_groups.append(fp32_from_float16)
         self.fp32_from_fp32_groups.append(fp32_from_fp32)
@@ -235,7 +214,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     # ---- Optimizer surface ---------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        return LeafParamGroups(self.leaf_optimizers, type(self).__name__)
+        return LeafParamGroups(self.leaf_optimizers, self.model_param, type(self).__name__)
 
     @param_groups.setter
     def param_groups(self, value: Any) -> None:
@@ -262,11 +241,30 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                              f"cannot be reassigned; change the leaf optimizers before wrapping them, "
                              f"or use load_state_dict()")
 
+    def _main_of_key(self, param: Any) -> nn.Parameter | None:
+        """The main param behind a ``state`` key: keys are model params (fp32 ones are their own)."""
+        return self._main_param_by_id.get(id(param)) if isinstance(param, torch.Tensor) else None
+
     def _describe_non_optimizer_param(self, param: Any) -> str:
-        if id(param) in self._main_param_by_id:
-            return (f"model param {self.fqn(param)!r} (its optimizer state is keyed by its fp32 "
-                    f"main param: optimizer.state[optimizer.main_param(model_param)])")
+        if id(param) in self._model_param_by_id:
+            return (f"the fp32 main param of {self.fqn(param)!r} (the optimizer state is keyed by the "
+                    f"model param, as on a plain optimizer: optimizer.state[model_param]; the leaf "
+                    f"optimizers key theirs by the main param)")
         return f"a {type(param).__name__} that is no param of the wrapped optimizers"
+
+    def _copy_into_main(self, main: torch.Tensor, value: Any) -> None:
+        copy_into_main(main, value, self.fqn(main))
+
+    def __getstate__(self) -> dict:
+        """Like torch's Optimizer: everything but the hooks (which may hold lambdas)."""
+        return {k: v for k, v in self.__dict__.items()
+                if not k.startswith("_optimizer_") and k not in ("_state_view", "_saved_versions")
+                and not k.endswith("_by_id")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        init_optimizer_contract(self)
+        self._index_params()   # id-keyed lookups hold ids of the original's params
 
     def __repr__(self) -> str:
         leaves = ", ".join(type(leaf).__name__ for leaf in self.leaf_optimizers)
@@ -283,12 +281,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             grad = getattr(model_param, "main_grad", None)
             if grad is None:
                 grad = model_param.grad
-            main_param.grad = None if grad is None else _fp32_grad(grad)
+            main_param.grad = None if grad is None else fp32_grad(grad)
             model_param.grad = None
         for p in self._fp32_params():
             main_grad = getattr(p, "main_grad", None)
             if main_grad is not None:
-                p.grad = _fp32_grad(main_grad)
+                p.grad = fp32_grad(main_grad)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -318,18 +316,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 # torch would call zero_() on the hyper DTensor grads, which hyper refuses outside
                 # SkipDTensorDispatch: zero their local shards instead (same result, no dispatch).
                 for p in params:
-                    _clear_grads(p, set_to_none=False)
+                    clear_grads(p, set_to_none=False)
             else:
                 leaf.zero_grad(set_to_none=set_to_none)
         for model_param, _ in self._low_precision_pairs():
-            _clear_grads(model_param, set_to_none)
+            clear_grads(model_param, set_to_none)
         for p in self._fp32_params():
-            _clear_grads(p, set_to_none)
+            clear_grads(p, set_to_none)
 
     @torch.no_grad()
-    def _copy_pairs(self, *, to_model: bool) -> None:
+    def _copy_pairs(self, *, to_model: bool, pairs: list | None = None) -> None:
         """Copy local shard to local shard between model and main params, in either direction."""
-        pairs = list(self._low_precision_pairs())
+        pairs = list(self._low_precision_pairs()) if pairs is None else pairs
         if pairs:
             models = local_tensors(m for m, _ in pairs)
             mains = local_tensors(f for _, f in pairs)
@@ -349,82 +347,68 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return {self.fqn(model): main for model, main in self._low_precision_pairs()}
 
     def state_dict(self) -> dict:
-        """Leaf-optimizer state keyed by model FQN plus the fp32 main params of bf16/fp16 params."""
+        """torch's layout over the model params; a bf16/fp16 param's state adds ``"main_param"``."""
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
-        sd = leaf_state_dict_by_fqn(self.leaf_optimizers, self.fqn)
-        sd[MP_KEY] = {MAIN_PARAMS_KEY: self.main_params_by_fqn()}
-        return sd
+        self._saved_versions = local_versions(main for _, main in self._low_precision_pairs())
+        return native_state_dict(self.leaf_optimizers, self.model_param)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict from :meth:`state_dict` or a plain FQN-keyed optimizer state dict.
+        """Load a state dict of this wrapper, of a plain optimizer over the same model params, or
+        of the earlier FQN layout with a ``_mixed_precision_optimizer`` section.
 
-        With every main param present they are restored exactly (no bf16 round trip, no
-        :meth:`reload_model_params`). Without the ``_mixed_precision_optimizer`` section the main
-        params are rebuilt from the model params, with a warning. A partial section raises
-        before anything is loaded, listing every missing FQN.
+        Saved main params are restored exactly (docs/main_params.md). A state without them (a
+        plain optimizer's) rebuilds the main params from the model params, with a warning; one
+        that has them for some bf16/fp16 params only raises before anything is loaded.
         """
         run_load_state_dict_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict) -> None:
-        saved_main = self.check_main_params_complete(state_dict)
-        load_leaf_state_dicts(self.leaf_optimizers, state_dict, self.fqn)   # validates, then loads
-        if saved_main is None:
-            self.reload_model_params()
-            if any(True for _ in self._low_precision_pairs()):
-                warnings.warn(
-                    "optimizer state has no _mixed_precision_optimizer.fp32_from_fp16_params: the fp32 "
-                    "main params were rebuilt from the low-precision model params, so the fp32 tails "
-                    "lost at the last cast cannot be recovered", UserWarning, stacklevel=4)
-            return
-        with torch.no_grad():
-            for fqn, main in self.main_params_by_fqn().items():
-                _copy_local(main, saved_main[fqn], fqn)
-
-    def check_main_params_complete(self, state_dict: dict) -> dict | None:
-        """The saved ``{fqn: main param}`` section, None when absent; raise if it is partial."""
-        section = state_dict.get(MP_KEY)
-        if section is None:
-            return None
-        saved = section.get(MAIN_PARAMS_KEY, {})
-        missing = [fqn for fqn in self.main_params_by_fqn() if fqn not in saved]
-        if missing:
+        natives, saved = split_by_leaf(self.leaf_optimizers, upgrade_legacy(state_dict),
+                                       self.model_param, type(self).__name__)
+        missing = [self.fqn(model) for model, main in saved.items() if main is None]
+        if missing and len(missing) < len(saved):
             raise_partial_main_params(missing)
-        return saved
+        for leaf, native in zip(self.leaf_optimizers, natives):
+            leaf.load_state_dict(native)
+        rebuild, not_loaded = [], []
+        for model, main in self._low_precision_pairs():
+            value = saved.get(model)
+            if value is None or self._is_stale(main, value, model):
+                rebuild.append((model, main))
+                if model in saved:
+                    not_loaded.append(self.fqn(model))
+            else:
+                copy_into_main(main, value, self.fqn(model))
+        self._copy_pairs(to_model=False, pairs=rebuild)
+        if not_loaded:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: the optimizer state has no fp32 main params "
+                f"for {', '.join(not_loaded)} (a plain optimizer's checkpoint?): they were rebuilt "
+                f"from the low-precision model params, so the fp32 tails lost at the last cast "
+                f"cannot be recovered", UserWarning, stacklevel=4)
+
+    def _is_stale(self, main: nn.Parameter, value: Any, model: nn.Parameter) -> bool:
+        """``value`` is the live main param, unchanged since :meth:`state_dict` handed it out, and
+        it no longer matches the (since loaded) model param: a load left it out (DCP with
+        ``allow_partial_load``, a plain optimizer's checkpoint), so it must come from the model."""
+        if not isinstance(value, torch.Tensor) or local_tensor(value) is not local_tensor(main):
+            return False
+        version = self._saved_versions.get(id(main))
+        if version is not None and version != local_tensor(main)._version:
+            return False   # written in place since state_dict(): loaded by DCP
+        model_local = local_tensor(model)
+        return not torch.equal(local_tensor(main).to(model_local.dtype), model_local)
 
 
 def raise_partial_main_params(missing: Iterable[str]) -> None:
     missing = sorted(missing)
     raise ValueError(
-        f"checkpoint is incomplete: {MP_KEY}.{MAIN_PARAMS_KEY} lacks the fp32 main params of "
-        f"{len(missing)} parameter(s): {', '.join(missing)}. Refusing to load (nothing was "
-        f"written) rather than silently rebuilding them from the low-precision model params.")
-
-
-def _clear_grads(p: torch.Tensor, set_to_none: bool) -> None:
-    for attr in ("grad", "main_grad"):
-        value = getattr(p, attr, None)
-        if value is None:
-            continue
-        if set_to_none:
-            setattr(p, attr, None)
-        else:
-            with torch.no_grad():
-                local_tensor(value).zero_()
-    if hasattr(p, "grad_added_to_main_grad"):
-        p.grad_added_to_main_grad = False
-
-
-def _copy_local(dst: torch.Tensor, src: torch.Tensor, fqn: str) -> None:
-    dst_local, src_local = local_tensor(dst), local_tensor(src)
-    if dst_local is src_local:
-        return
-    if dst_local.shape != src_local.shape:
-        raise ValueError(f"main param {fqn!r}: saved local shape {tuple(src_local.shape)} does not "
-                         f"match {tuple(dst_local.shape)}; load sharded checkpoints through "
-                         f"load_checkpoint (DCP reshards)")
-    dst_local.copy_(src_local)
+        f"optimizer state is incomplete: it holds the fp32 main params ('main_param') of some "
+        f"bf16/fp16 params but not of {len(missing)} other(s): {', '.join(missing)}. Refusing to "
+        f"load (nothing was written) rather than silently rebuilding them from the low-precision "
+        f"model params.")
 
 
 #: Megatron / hyper-parallel name of the same wrapper.

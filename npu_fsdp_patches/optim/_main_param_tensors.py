@@ -1,0 +1,66 @@
+"""The tensors a main-params wrapper makes: fp32 main params, fp32 grads, cleared grads.
+
+Copies go local shard to local shard, so no collective is added and hyper-parallel DTensors (whose
+ops fail outside ``SkipDTensorDispatch``) are never dispatched on.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
+
+__all__ = ["fp32_main_param", "fp32_grad", "clear_grads"]
+
+#: main params and their grads are contiguous on every rank: torch's fused optimizer kernels pair
+#: param, grad and state elements by memory position, so a leaf AdamW(fused=True) needs one layout
+_CONTIGUOUS_FP32 = dict(dtype=torch.float32, memory_format=torch.contiguous_format)
+
+
+def fp32_main_param(p: torch.Tensor) -> nn.Parameter:
+    """A new contiguous fp32 Parameter with ``p``'s values and DTensor layout (local shard copied,
+    never gathered)."""
+    if is_foreign_dtensor(p):
+        # nn.Parameter(dt) would call dt.detach(), an op hyper-parallel dispatches (and refuses
+        # outside SkipDTensorDispatch). Build the leaf on the local shard instead, wrap it (the
+        # wrapper takes requires_grad from it), and flag it as nn.Parameter does for subclasses.
+        local = local_tensor(p).detach().to(copy=True, **_CONTIGUOUS_FP32).requires_grad_(p.requires_grad)
+        main = type(p).from_local(local, p.device_mesh, p.placements)
+        main._is_param = True   # isinstance(main, nn.Parameter), see torch.nn.parameter._ParameterMeta
+        return main
+    if is_torch_dtensor(p):   # copy the local shard: no DTensor dispatch, no collective
+        local = local_tensor(p).detach().to(copy=True, **_CONTIGUOUS_FP32)
+        main = type(p).from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+        return nn.Parameter(main, requires_grad=p.requires_grad)
+    return nn.Parameter(p.detach().to(copy=True, **_CONTIGUOUS_FP32), requires_grad=p.requires_grad)
+
+
+def fp32_grad(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a contiguous fp32 local shard with its DTensor layout kept; a contiguous fp32
+    grad is returned as is (no copy)."""
+    local = local_tensor(grad)
+    if grad.dtype == torch.float32 and local.is_contiguous():
+        return grad
+    cast = local.to(**_CONTIGUOUS_FP32)
+    if is_foreign_dtensor(grad):
+        return type(grad).from_local(cast, grad.device_mesh, grad.placements)
+    if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
+        return type(grad).from_local(cast, grad.device_mesh, grad.placements,
+                                     run_check=False, shape=grad.shape, stride=grad.stride())
+    return cast
+
+
+
+def clear_grads(p: torch.Tensor, set_to_none: bool) -> None:
+    for attr in ("grad", "main_grad"):
+        value = getattr(p, attr, None)
+        if value is None:
+            continue
+        if set_to_none:
+            setattr(p, attr, None)
+        else:
+            with torch.no_grad():
+                local_tensor(value).zero_()
+    if hasattr(p, "grad_added_to_main_grad"):
+        p.grad_added_to_main_grad = False
