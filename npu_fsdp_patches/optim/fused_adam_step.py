@@ -12,8 +12,10 @@ Params are split per group into two paths:
 The kernel is ``torch._fused_adamw_`` where the device has one (cpu, cuda, npu, ...) and a foreach
 implementation of the same math elsewhere, or when ``bias_correction=False`` (which the torch kernel
 cannot express). L2 mode (``adam_w_mode=False``) adds ``wd * w`` to a *copy* of the grad and runs the
-kernel with zero decay. Empty local shards are skipped, while every group's ``step`` still advances on
-every rank. Nothing here issues a collective.
+kernel with zero decay. Every param gets its states on its first step, with or without a grad, as in
+TE's step (Megatron-FSDP's dummy-step resume relies on it). Empty local shards are skipped, while every
+group's ``step`` still advances on every rank. Flags (``master_weights``, ``use_decoupled_grad``, ...) are
+read at step time. Nothing here issues a collective.
 """
 from __future__ import annotations
 
