@@ -4,7 +4,14 @@ Megatron-Core calls ``opt.initialize_state(p)`` (init_state_fn, 0.11 ... main), 
 ``store_param_remainders`` a required positional (docs/te_fused_adam.md#13-method-signatures,
 #22-initialize_state-call-sites). The replacement makes the argument optional: ``None`` derives the value from
 the optimizer's own configuration (remainders only for bf16 params with fp32 master weights, TE's step rule),
-an explicit value that contradicts it raises ``ValueError``, and the original method is called with the value.
+an explicit value that contradicts it raises ``ValueError`` (moot, so accepted, while ``master_weights`` is
+off), and the original method is called with the value. Flags are read at call time.
+
+Defensive: under stock argument validation no known caller reaches the one-argument form (Megatron-Core
+core_v0.18.0 optimizer/__init__.py:596 needs a precision-aware config without the distributed optimizer,
+which optimizer_config.py:424-430 rejects; MindSpeed muon/adaptor.py:353 sits behind its own refusal at
+:309-310). It fires when user code changes the config after validation or calls ``initialize_state(p)``
+itself (docs/te_fused_adam.md#22-initialize_state-call-sites).
 """
 from __future__ import annotations
 

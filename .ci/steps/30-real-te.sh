@@ -9,7 +9,8 @@
 # checks under that rule, so a skipped real-TE run can never pass CI.
 # Measured (2 cores, shared): 10 wheels, 8.4 MB, ~117 s cold download (the TENPU stand-in's base
 # 2.15.0 and its site: 7 s of it); < 5 s with a warm cache; the TENPU overlay test: ~35 s;
-# the real-TE tests in the main suite: ~15 min on a loaded machine.
+# the real-TE tests in the main suite: ~15 min on a loaded machine; the 4-rank Megatron-FSDP-shape
+# launches (tests/test_te_megatron_fsdp.py, TE 2.11 and 2.14): MEGATRON_FSDP_4 s.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1
@@ -28,3 +29,5 @@ print(f"real-te: {len(RELEASES) + 1} sites in {time.time() - t0:.0f} s")
 PY
 "$py" -m pytest -q tests/test_te_cpu_kernels.py tests/test_te_real.py -k "kernels or initialize_state"
 "$py" -m pytest -q tests/test_te_fused_adam_patch.py -k overlay
+# Megatron-FSDP's shapes on 4 ranks (the README test command runs them on 2): one launch per TE release
+NPU_FSDP_PATCHES_MEGATRON_FSDP_WORLDS=4 "$py" -m pytest -q tests/test_te_megatron_fsdp.py

@@ -12,8 +12,10 @@ Params are split per group into two paths:
 The kernel is ``torch._fused_adamw_`` where the device has one (cpu, cuda, npu, ...) and a foreach
 implementation of the same math elsewhere, or when ``bias_correction=False`` (which the torch kernel
 cannot express). L2 mode (``adam_w_mode=False``) adds ``wd * w`` to a *copy* of the grad and runs the
-kernel with zero decay. Empty local shards are skipped, while every group's ``step`` still advances on
-every rank. Nothing here issues a collective.
+kernel with zero decay. Every param gets its states on its first step, with or without a grad, as in
+TE's step (Megatron-FSDP's dummy-step resume relies on it). Empty local shards are skipped, while every
+group's ``step`` still advances on every rank. Flags (``master_weights``, ``use_decoupled_grad``, ...) are
+read at step time. Nothing here issues a collective.
 """
 from __future__ import annotations
 
@@ -128,28 +130,24 @@ def _step_group(opt, group: dict) -> None:
     direct = ([], [], [], [])
     low = []
     for p in group["params"]:
-        grad = _grad_of(opt, p)
+        grad, pl = _grad_of(opt, p), p
         if dtensor_cls is not None and isinstance(p, dtensor_cls):
             pl = p._local_tensor
             problem = dtensor_problem(opt, p, rules)
             if problem is not None:
                 raise problem   # names the param and the reason
-            if grad is None:
-                continue
-            if (isinstance(grad, dtensor_cls) and not grad.is_sparse
-                    and _same_layout(grad._spec, p._spec)):
-                g = grad._local_tensor
-            else:
-                g = check_grad(opt, p, grad)
-        else:
-            if is_foreign_dtensor(p):
-                check_dtensor_param(opt, p)  # raises: only torch DTensors are supported
-            if grad is None:
-                continue
-            pl, g = p, check_grad(opt, p, grad)
+        elif is_foreign_dtensor(p):
+            check_dtensor_param(opt, p)  # raises: only torch DTensors are supported
         state = opt.state[p]
         if len(state) == 0:
-            initialize(opt, p)
+            initialize(opt, p)  # before the grad check, as TE's step: grad-less params get states too
+        if grad is None:
+            continue
+        if (pl is not p and isinstance(grad, dtensor_cls) and not grad.is_sparse
+                and _same_layout(grad._spec, p._spec)):
+            g = grad._local_tensor
+        else:
+            g = check_grad(opt, p, grad)
         if pl.numel() == 0:
             continue  # empty shard: state exists, no kernel input, group step already advanced
         if pl.dtype == _F32 and g.dtype == _F32 and moments_fp32:
