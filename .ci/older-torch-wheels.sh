@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# Downloads the registry's wheels of each older verified torch (a CUDA build, about 3 GB with its nvidia-*
+# Downloads the registry's wheels of each older verified torch (a CUDA build, about 3.7 GB with its nvidia-*
 # libraries), this package's pinned test deps and its build backend into .ci/venvs/wheels/torch-<v>/, so
 # that .ci/steps/60-older-torch.sh installs offline (--no-index). .ci/run starts it in the background
 # before the README test command: the downloads are network and disk bound and overlap the main suite.
+# A torch above the pip cap of the machine's global pip configuration ($ABOVE_PIP_CAP_TORCH) is instead
+# installed straight into .ci/venvs/torch-<v> by one pip call that ignores that configuration
+# (PIP_CONFIG_FILE=/dev/null; also its local wheel folder and extra indexes): the only such call.
 # Versions are fetched one after another; each ends by writing torch-<v>.rc with pip's exit code (124:
 # pip ran past its 25-minute timeout), so the step never waits on a download that cannot finish.
 # SIGTERM (sent by .ci/run when it exits) stops the download in progress.
 # Usage: bash .ci/older-torch-wheels.sh [VERSION...]   (default: $OLDER_TORCH_VERSIONS of .ci/older-torch.env)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-. .ci/older-torch.env
+cd "$(dirname "$0")/../"
+. .ci/older-torch.env || exit 1
 mkdir -p "$OLDER_TORCH_WHEELS"
 for version in ${*:-$OLDER_TORCH_VERSIONS}; do
-    t0=$SECONDS
+    t0=$SECONDS dest=$OLDER_TORCH_WHEELS/torch-$version
     rm -f "$OLDER_TORCH_WHEELS/torch-$version.rc"
-    timeout 1500 python3 -m pip download -q -d "$OLDER_TORCH_WHEELS/torch-$version" \
-        -c .ci/older-torch-constraints.txt "torch==$version" '.[test]' 'setuptools>=77' wheel &
+    if [[ " $ABOVE_PIP_CAP_TORCH " == *" $version "* ]]; then
+        dest=.ci/venvs/torch-$version
+        rm -rf "$dest" && python3 -m venv "$dest"
+        PIP_CONFIG_FILE=/dev/null timeout 1500 "$dest/bin/pip" install -q -c .ci/older-torch-constraints.txt \
+            "torch==$version" -e '.[test]' &
+    else
+        timeout 1500 python3 -m pip download -q -d "$dest" \
+            -c .ci/older-torch-constraints.txt "torch==$version" '.[test]' 'setuptools>=77' wheel &
+    fi
     child=$!
     trap 'kill "$child" 2>/dev/null; exit 143' TERM   # .ci/run stopping us stops pip too
     wait "$child"
     rc=$?
-    echo "older-torch-wheels: torch $version: rc $rc, $((SECONDS - t0)) s, $(du -sh "$OLDER_TORCH_WHEELS/torch-$version" 2>/dev/null | cut -f1)"
+    echo "older-torch-wheels: torch $version: rc $rc, $((SECONDS - t0)) s, $(du -sh "$dest" 2>/dev/null | cut -f1) in $dest"
     echo "$rc" > "$OLDER_TORCH_WHEELS/torch-$version.rc.tmp" \
         && mv "$OLDER_TORCH_WHEELS/torch-$version.rc.tmp" "$OLDER_TORCH_WHEELS/torch-$version.rc"
 done

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
 
 from .errors import MatrixError
 
@@ -16,7 +17,8 @@ MAX_NODES = 20_000
 MAX_DEPTH = 32
 SHIPPED_MATRIX = Path(__file__).resolve().parent / "compat_matrix.yaml"
 _TARGET = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<qualname>[A-Za-z_][\w.]*)(?P<optional>\?)?$")
-_TOP_KEYS = {"schema_version", "frameworks", "patches"}
+_TOP_KEYS = {"schema_version", "defaults", "frameworks", "patches"}
+_DEFAULTS_KEYS = {"gate", "verified"}
 _FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
 _PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts"}
@@ -73,11 +75,23 @@ class PatchSpec(NamedTuple):
         return tuple(dict.fromkeys(t.module for t in self.targets))
 
 
+class PatchDefaults(NamedTuple):
+    """The matrix's ``defaults:``, already merged into every PatchSpec: one condition per framework
+    that every gate alternative must also meet, and the verified versions of a framework a patch does
+    not list itself (the torch floor and the verified torch live there once)."""
+    gate: tuple = ()                      # Conditions
+    verified: Mapping[str, tuple] = {}
+
+    def condition(self, framework: str) -> Condition | None:
+        return next((c for c in self.gate if c.framework == framework), None)
+
+
 class Matrix(NamedTuple):
     path: str
     frameworks: Mapping[str, FrameworkSpec]
     patches: Mapping[str, PatchSpec]
     lines: Mapping[str, int] = {}
+    defaults: PatchDefaults = PatchDefaults()
 
     def error(self, key_path: str, message: str) -> MatrixError:
         return MatrixError(message, path=self.path, key_path=key_path, line=self.lines.get(key_path))
@@ -211,7 +225,53 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
     return Condition(framework, installed, version, r.string(raw, "flavor", kp), r.string(raw, "note", kp))
 
 
-def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping) -> PatchSpec:
+def _verified(r: _Reader, raw: Any, kp: str, frameworks: Mapping) -> dict:
+    verified = {}
+    for fw, versions in r.mapping(raw, kp).items():
+        if fw not in frameworks:
+            raise r.fail(f"{kp}.{fw}", f"unknown framework {fw!r}")
+        verified[fw] = r.strings(r.expect(versions, list, f"{kp}.{fw}", "a list"), f"{kp}.{fw}")
+    return verified
+
+
+def _defaults(r: _Reader, raw: Any, frameworks: Mapping) -> PatchDefaults:
+    raw = r.mapping(raw, "defaults")
+    r.keys(raw, _DEFAULTS_KEYS, "defaults")
+    gate = r.mapping(raw.get("gate"), "defaults.gate", "a mapping of framework: condition")
+    return PatchDefaults(tuple(_condition(r, fw, cond, f"defaults.gate.{fw}", frameworks) for fw, cond in gate.items()),
+                         _verified(r, raw.get("verified"), "defaults.verified", frameworks))
+
+
+def _both(default: SpecifierSet | None, own: SpecifierSet | None) -> SpecifierSet | None:
+    """The versions both sets allow; a default lower bound that one of ``own`` already implies is
+    left out, so a gate reads ``>=2.7``, not ``>=2.6,>=2.7``."""
+    if default is None or own is None:
+        return own if default is None else default
+    floors = [Version(s.version) for s in own if s.operator in (">=", ">")]
+    kept = [s for s in default if not (s.operator == ">=" and any(f >= Version(s.version) for f in floors))]
+    return SpecifierSet(",".join(str(s) for s in (*own, *kept)))
+
+
+def _with_defaults(r: _Reader, alternative: tuple, defaults: tuple, kp: str) -> tuple:
+    """One gate alternative that also meets every defaults.gate condition: a framework the alternative
+    names itself gets both version sets (its own flavor and note), any other gets the default's."""
+    own = {c.framework: c for c in alternative}
+    merged = []
+    for default in defaults:
+        cond = own.get(default.framework)
+        if cond is None:
+            merged.append(default)
+            continue
+        flavors = {cond.flavor, default.flavor} - {None}
+        if cond.installed != default.installed or len(flavors) > 1:
+            raise r.fail(f"{kp}.{cond.framework}", f"contradicts defaults.gate.{cond.framework}")
+        own[cond.framework] = cond._replace(version=_both(default.version, cond.version),
+                                            flavor=next(iter(flavors), None), note=cond.note or default.note)
+    return (*own.values(), *merged)
+
+
+def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping,
+           defaults: PatchDefaults = PatchDefaults()) -> PatchSpec:
     r.expect(raw, dict, kp, "a mapping")
     r.keys(raw, _PATCH_KEYS, kp, required=("summary", "targets", "gate"))
     targets = []
@@ -226,12 +286,9 @@ def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping) -> Pat
     for i, alternative in enumerate(r.expect(raw["gate"], list, f"{kp}.gate", "a list of alternatives")):
         akp = f"{kp}.gate[{i}]"
         r.expect(alternative, dict, akp, "a mapping of framework: condition")
-        gate.append(tuple(_condition(r, fw, cond, f"{akp}.{fw}", frameworks) for fw, cond in alternative.items()))
-    verified = {}
-    for fw, versions in r.mapping(raw.get("verified"), f"{kp}.verified").items():
-        if fw not in frameworks:
-            raise r.fail(f"{kp}.verified.{fw}", f"unknown framework {fw!r}")
-        verified[fw] = r.strings(r.expect(versions, list, f"{kp}.verified.{fw}", "a list"), f"{kp}.verified.{fw}")
+        own = tuple(_condition(r, fw, cond, f"{akp}.{fw}", frameworks) for fw, cond in alternative.items())
+        gate.append(_with_defaults(r, own, defaults.gate, akp))
+    verified = {**defaults.verified, **_verified(r, raw.get("verified"), f"{kp}.verified", frameworks)}
     upstream = r.mapping(raw.get("upstream"), f"{kp}.upstream")
     r.keys(upstream, _UPSTREAM_KEYS, f"{kp}.upstream")
     for key in ("fix", "notes"):
@@ -268,9 +325,10 @@ def parse_matrix(text: str, path: str = "<string>") -> Matrix:
                                        f"this plugin reads {SCHEMA_VERSION}")
     frameworks = {name: _framework(r, name, raw, f"frameworks.{name}")
                   for name, raw in r.expect(data["frameworks"], dict, "frameworks", "a mapping").items()}
-    patches = {name: _patch(r, name, raw, f"patches.{name}", frameworks)
+    defaults = _defaults(r, data.get("defaults"), frameworks)
+    patches = {name: _patch(r, name, raw, f"patches.{name}", frameworks, defaults)
                for name, raw in r.expect(data["patches"] or {}, dict, "patches", "a mapping").items()}
-    return Matrix(path, frameworks, patches, dict(r.lines))
+    return Matrix(path, frameworks, patches, dict(r.lines), defaults)
 
 
 def load_matrix(path: str | Path | None = None) -> Matrix:

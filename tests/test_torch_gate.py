@@ -1,7 +1,13 @@
-"""The torch gate of the shipped matrix, condition notes, and doctor's torch findings (pure, no torch)."""
+"""The torch gate of the shipped matrix, its one home (the matrix's defaults), condition notes, and
+doctor's torch findings (pure, no torch)."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
+import yaml
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from npu_fsdp_patches.decide import check_condition, decide
@@ -9,7 +15,7 @@ from npu_fsdp_patches.detect import Detected
 from npu_fsdp_patches.errors import MatrixError
 from npu_fsdp_patches.matrix import Condition, load_matrix, parse_matrix
 from npu_fsdp_patches.settings import parse_settings
-from npu_fsdp_patches.torch_support import SUPPORTED_TORCH, torch_findings, verified_torch
+from npu_fsdp_patches.torch_support import supported_torch, torch_findings, verified_torch
 from tests.support import REPO_ROOT, VERIFIED_TORCH as VERIFIED
 
 SHIPPED = load_matrix()
@@ -45,7 +51,8 @@ def installed_for(name, torch_version):
 
 
 def test_every_patch_gates_on_torch_2_6_and_lists_the_verified_torch():
-    assert verified_torch(SHIPPED) == VERIFIED
+    assert verified_torch(SHIPPED) == VERIFIED == sorted(VERIFIED, key=Version)
+    assert supported_torch(SHIPPED) == SpecifierSet(">=2.6")
     for name, spec in SHIPPED.patches.items():
         assert list(spec.verified["torch"]) == VERIFIED, name
         for alternative in spec.gate:
@@ -56,7 +63,72 @@ def test_every_patch_gates_on_torch_2_6_and_lists_the_verified_torch():
         accepted = {v for v in VERIFIED if any(c.version.contains(v) for alt in spec.gate
                                                 for c in alt if c.framework == "torch")}
         assert accepted == set(VERIFIED), name
-    assert SUPPORTED_TORCH.contains("2.6.0") and not SUPPORTED_TORCH.contains("2.5.1")
+
+
+def test_the_torch_floor_and_verified_torch_are_written_once():
+    """Only the matrix's defaults name the torch floor and the verified torch; no patch repeats them."""
+    raw = yaml.safe_load((REPO_ROOT / "compat_matrix.yaml").read_text())
+    assert raw["defaults"] == {"gate": {"torch": {"version": ">=2.6"}}, "verified": {"torch": VERIFIED}}
+    for name, patch in raw["patches"].items():
+        assert "torch" not in (patch.get("verified") or {}), name
+        for alternative in patch["gate"]:
+            assert ">=2.6" not in str(alternative.get("torch", {}).get("version", "")), (name, alternative)
+
+
+DEFAULTS = """\
+defaults:
+  gate: {torch: {version: ">=2.6"}}
+  verified: {torch: ["2.6.0", "2.13.0"]}
+"""
+DEFAULTS_DEMO = "schema_version: 1\n" + DEFAULTS + """\
+frameworks:
+  torch: {distributions: [torch], module: torch}
+  demo: {distributions: [demo], module: demo}
+patches:
+  plain: {summary: s, targets: ["a:b"], gate: [{demo: {installed: true}}]}
+  own:
+    summary: s
+    targets: ["a:b"]
+    gate:
+      - {demo: {installed: true}, torch: {version: ">=2.9"}}
+      - {demo: {installed: true}, torch: {version: "<2.9", note: "n"}}
+    verified: {torch: ["2.13.0"], demo: ["1.0"]}
+"""
+
+
+def test_defaults_are_merged_into_every_patch():
+    matrix = parse_matrix(DEFAULTS_DEMO)
+    plain, own = matrix.patches["plain"], matrix.patches["own"]
+    assert [(c.framework, str(c.version or "")) for c in plain.gate[0]] == [("demo", ""), ("torch", ">=2.6")]
+    assert dict(plain.verified) == {"torch": ("2.6.0", "2.13.0")}
+    # an alternative's own torch condition must match the floor too; a lower bound above it implies it
+    assert [str(alt[1].version) for alt in own.gate] == [">=2.9", "<2.9,>=2.6"]
+    assert own.gate[1][1].note == "n"
+    assert dict(own.verified) == {"torch": ("2.13.0",), "demo": ("1.0",)}   # its own list wins
+    frameworks = {"torch": torch_fw("2.5.1"), "demo": Detected("demo", True, "demo", "1.0", source="metadata")}
+    for spec in (plain, own):
+        assert not decide(spec, frameworks, parse_settings({})).enabled
+    assert supported_torch(matrix) == SpecifierSet(">=2.6")
+
+
+@pytest.mark.parametrize("old, new, key_path", [
+    ('gate: {torch: {version: ">=2.6"}}', 'gate: {torch: {version: ">=2.6"}}\n  colour: red', "defaults.colour"),
+    ('gate: {torch: {version: ">=2.6"}}', 'gate: {nothere: {version: ">=2.6"}}', "defaults.gate.nothere"),
+    ('verified: {torch: ["2.6.0", "2.13.0"]}', "verified: {torch: [2.6]}", "defaults.verified.torch[0]"),
+    ('{demo: {installed: true}, torch: {version: ">=2.9"}}', "{torch: {installed: false}}",
+     "patches.own.gate[0].torch"),
+])
+def test_bad_defaults_name_their_key_path(old, new, key_path):
+    with pytest.raises(MatrixError) as info:
+        parse_matrix(DEFAULTS_DEMO.replace(old, new, 1), "m.yaml")
+    assert info.value.key_path == key_path
+
+
+def test_a_matrix_without_defaults_has_no_torch_floor_and_a_failed_one_falls_back_to_the_shipped():
+    bare = parse_matrix(DEFAULTS_DEMO.replace(DEFAULTS, ""))
+    assert supported_torch(bare) is None and torch_findings(torch_fw("2.5.1"), bare) == [
+        "torch 2.5.1 is not a verified torch version (the suite runs on torch 2.13.0)"]
+    assert torch_findings(torch_fw("2.5.1"), None) == torch_findings(torch_fw("2.5.1"), SHIPPED)
 
 
 @pytest.mark.parametrize("version", ["2.5.1", "2.4.0+cpu"])
@@ -71,7 +143,7 @@ def test_unsupported_torch_disables_every_patch_naming_it(version):
     assert f"torch {version} is unsupported" in finding and ">=2.6" in finding
 
 
-@pytest.mark.parametrize("version", ["2.6.0+cu124", "2.7.1+cu126", "2.10.0", "2.13.0+cpu"])
+@pytest.mark.parametrize("version", [*VERIFIED, "2.6.0+cu124", "2.13.0+cpu", "2.15.0+cu130"])
 def test_verified_torch_is_enabled_verified_and_quiet(version):
     frameworks = everything_installed(version)
     for name, spec in SHIPPED.patches.items():
@@ -81,13 +153,14 @@ def test_verified_torch_is_enabled_verified_and_quiet(version):
     assert torch_findings(frameworks["torch"], SHIPPED) == []
 
 
-def test_unverified_torch_in_range_warns():
-    frameworks = everything_installed("2.8.0+cu128")
+@pytest.mark.parametrize("version", ["2.9.0+cu128", "2.16.0"])
+def test_unverified_torch_in_range_warns(version):
+    frameworks = everything_installed(version)
     (finding,) = torch_findings(frameworks["torch"], SHIPPED)
-    assert finding == ("torch 2.8.0+cu128 is not a verified torch version (the suite runs on torch "
-                       "2.6.0, 2.7.1, 2.10.0, 2.13.0)")
+    assert finding == (f"torch {version} is not a verified torch version (the suite runs on torch "
+                       "2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0)")
     decision = decide(SHIPPED.patches["hp_skip_dispatch_adamw"], frameworks, parse_settings({}))
-    assert decision.enabled and "torch 2.8.0+cu128" in decision.unverified
+    assert decision.enabled and f"torch {version}" in decision.unverified
     assert torch_findings(Detected("torch", False), SHIPPED) == []
 
 
@@ -100,8 +173,8 @@ def test_skip_dispatch_decision_says_how_torch_2_6_is_covered(version, note):
     assert (note in decision.reason) if note else ("adamw" not in decision.reason)
 
 
-@pytest.mark.parametrize("version, muon", [("2.6.0", False), ("2.7.1", False), ("2.10.0", True),
-                                           ("2.13.0", True)])
+@pytest.mark.parametrize("version, muon", [("2.6.0", False), ("2.8.0", False), ("2.9.1", True),
+                                           ("2.15.0", True)])
 def test_main_params_decision_names_missing_muon(version, muon):
     decision = decide(SHIPPED.patches["hp_fp32_main_params"], everything_installed(version),
                       parse_settings({}))
@@ -127,10 +200,22 @@ patches:
         parse_matrix(text)
 
 
+def ci_env(*names):
+    """``names`` as .ci/older-torch.env sets them (it reads the verified torch from the matrix)."""
+    script = ". .ci/older-torch.env && " + " && ".join(f'echo "${name}"' for name in names)
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    return [line.split() for line in proc.stdout.splitlines()]
+
+
 def test_ci_runs_every_verified_torch():
-    """The README test command's torch plus .ci/older-torch.env's are exactly the matrix's verified torch."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    readme_torch = re.findall(r"pip install torch==(\S+) -e '\.\[test\]'", readme)
-    env = (REPO_ROOT / ".ci" / "older-torch.env").read_text()
-    older = re.search(r'^OLDER_TORCH_VERSIONS="([^"]*)"', env, re.M).group(1).split()
-    assert sorted(set(readme_torch[:1] + older), key=Version) == VERIFIED
+    """The README test command's torch plus the older torch CI derives from the matrix are exactly the
+    verified torch; the oldest and the newest run the full torch-sensitive list."""
+    readme_torch = re.findall(r"pip install torch==(\S+) -e '\.\[test\]'", (REPO_ROOT / "README.md").read_text())
+    run_torch = re.findall(r"pip install torch==(\S+) -e '\.\[test\]'", (REPO_ROOT / ".ci" / "run").read_text())
+    (main,), older, full, above_cap = ci_env("MAIN_TORCH", "OLDER_TORCH_VERSIONS", "FULL_LIST_TORCH",
+                                             "ABOVE_PIP_CAP_TORCH")
+    assert readme_torch[:1] == run_torch == [main]
+    assert sorted([main, *older], key=Version) == VERIFIED and main not in older
+    assert {VERIFIED[0], VERIFIED[-1]} <= set(full) <= set(older) and set(above_cap) <= set(older)

@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
-# Issue 12: every older verified torch (2.6.0, 2.7.1, 2.10.0; .ci/older-torch.env) runs the torch-sensitive
-# tests: every npu_fsdp_patches.optim path and its layout tests, the four torch-facing patches, Megatron's
-# initialize_state path, the real-TE launches that back the three TE patches' verified torch (TE 2.10.0:
-# te_fused_adam_dtensor + te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail +
-# te_fused_adam_empty_scale), the FSDP2 examples, the self-test's checks on 2 CPU ranks, the torch autoload
-# entry, the torch gate and doctor's torch finding. The plugin-core, doctor, CLI and packaging files do not
-# depend on the torch release and run on 2.13.0 only;
-# .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
+# Issues 12 and 22: every verified torch besides the README's 2.13.0 (compat_matrix.yaml defaults.verified,
+# read by .ci/older-torch.env) runs the torch-sensitive tests, installed from the registry (the CUDA wheel,
+# run on CPU with CUDA_VISIBLE_DEVICES="").
+# FULL_LIST_TORCH (the oldest, 2.7.1, 2.9.1 and the newest) run FULL: every npu_fsdp_patches.optim path and
+# its layout tests, the four torch-facing patches, Megatron's initialize_state path, the real-TE launches
+# that back the three TE patches' verified torch (TE 2.10.0: te_fused_adam_dtensor +
+# te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail + te_fused_adam_empty_scale),
+# the FSDP2 examples, the self-test's checks on 2 CPU ranks, the torch autoload entry, the torch gate and
+# doctor's torch finding. The others run LEAN: the same coverage less the repeated launches (the examples,
+# FusedAdam's and main params' extra multi-rank launches, TE's CPU kernels, Megatron's path).
+# The plugin-core, doctor, CLI and packaging files do not depend on the torch release and run on 2.13.0
+# only; .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
 # Per version: wait for .ci/older-torch-wheels.sh (started in the background by .ci/run; run here in the
-# foreground when the step runs on its own), install the registry's CUDA wheel offline into
-# .ci/venvs/torch-<v>, run pytest on CPU (CUDA_VISIBLE_DEVICES=""), delete the venv and the wheels
-# (about 5 GB + 3 GB). Skips name what the torch lacks (Muon before 2.9, Adam(decoupled_weight_decay) and
-# FSDP2 training on CPU before 2.7).
-# Measured in one end-to-end .ci/run on an idle 2-core machine: 895 s for the step. 2.6.0: install 81 s,
-# tests 233 s (432 passed, 7 skipped); 2.7.1: 116 s, 305 s (437 passed, 2 skipped); 2.10.0: 152 s, 249 s
-# (439 passed). The downloads had finished during the README test command.
+# foreground when the step runs on its own), install the registry's wheels offline into .ci/venvs/torch-<v>
+# (a torch above the pip cap is installed there by that script, in its one registry call), run pytest,
+# delete the venv and the wheels (about 5 GB + 3.7 GB). Skips name what the torch lacks (Muon before 2.9,
+# Adam(decoupled_weight_decay) and FSDP2 training on CPU before 2.7). Measured times: docs/ci.md.
+# Usage: bash .ci/steps/60-older-torch.sh [VERSION...]   (default: $OLDER_TORCH_VERSIONS)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-. .ci/older-torch.env
+. .ci/older-torch.env || exit 1
 export NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1 CUDA_VISIBLE_DEVICES=""
-TESTS=(
-    tests/test_foreach_adamw.py tests/test_foreach_adamw_contract.py tests/test_foreach_adamw_self_test.py
-    tests/test_fused_adam.py tests/test_fused_adam_multirank.py tests/test_layouts.py
-    tests/test_main_params.py tests/test_main_params_acceptance.py tests/test_main_params_hyper.py
-    tests/test_main_params_optimizer_contract.py tests/test_main_params_example.py
-    tests/test_example_fsdp2_fused_adam.py tests/test_example_fsdp2_vs_foreach_adamw.py
+LEAN=(
+    tests/test_foreach_adamw.py tests/test_foreach_adamw_contract.py tests/test_fused_adam.py
+    tests/test_layouts.py tests/test_main_params.py tests/test_main_params_optimizer_contract.py
+    tests/test_main_params_hyper.py tests/test_main_params_acceptance.py
     tests/test_hp_skip_dispatch_patch.py tests/test_hp_fp32_main_params_patch.py
-    tests/test_te_fused_adam_patch.py tests/test_te_cpu_kernels.py tests/test_veomni_dcp_refusal_patch.py
+    tests/test_te_fused_adam_patch.py tests/test_veomni_dcp_refusal_patch.py
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.10.0]"
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
-    tests/test_megatron_initialize_state.py tests/test_autoload.py tests/test_torch_gate.py
-    tests/test_torch_gate_doctor.py "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
+    tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py
+    "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
+)
+FULL=(
+    "${LEAN[@]}" tests/test_foreach_adamw_self_test.py tests/test_fused_adam_multirank.py
+    tests/test_main_params_example.py tests/test_example_fsdp2_fused_adam.py
+    tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py tests/test_megatron_initialize_state.py
 )
 
 alive() {  # alive PID: running (an exited child of .ci/run stays a zombie until .ci/run reaps it)
@@ -59,11 +64,15 @@ wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its 
 
 install() {  # install VERSION: its wheels offline into a fresh .ci/venvs/torch-<v>, then delete the wheels
     local venv=.ci/venvs/torch-$1 t0=$SECONDS rc
-    rm -rf "$venv"
-    wheels_ready "$1" \
-        && python3 -m venv "$venv" \
-        && "$venv/bin/pip" install -q --no-index --find-links "$OLDER_TORCH_WHEELS/torch-$1" \
-            -c .ci/older-torch-constraints.txt "torch==$1" -e '.[test]' \
+    if [[ " $ABOVE_PIP_CAP_TORCH " == *" $1 "* ]]; then
+        wheels_ready "$1"   # .ci/older-torch-wheels.sh installed it into $venv from the registry
+    else
+        rm -rf "$venv"
+        wheels_ready "$1" \
+            && python3 -m venv "$venv" \
+            && "$venv/bin/pip" install -q --no-index --find-links "$OLDER_TORCH_WHEELS/torch-$1" \
+                -c .ci/older-torch-constraints.txt "torch==$1" -e '.[test]'
+    fi \
         && "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$1')"
     rc=$?
     rm -rf "$OLDER_TORCH_WHEELS/torch-$1"
@@ -72,7 +81,7 @@ install() {  # install VERSION: its wheels offline into a fresh .ci/venvs/torch-
 }
 
 # Each next version installs in the background while the previous one's tests run (disk-bound vs CPU-bound).
-read -r -a versions <<< "$OLDER_TORCH_VERSIONS"
+read -r -a versions <<< "${*:-$OLDER_TORCH_VERSIONS}"
 install "${versions[0]}" & pending=$!
 status=0
 for i in "${!versions[@]}"; do
@@ -81,11 +90,12 @@ for i in "${!versions[@]}"; do
     rc=$?
     if [ $((i + 1)) -lt "${#versions[@]}" ]; then install "${versions[$((i + 1))]}" & pending=$!; fi
     if [ "$rc" -eq 0 ]; then
-        t1=$SECONDS
-        "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}"
+        t1=$SECONDS list=LEAN tests=("${LEAN[@]}")
+        if [[ " $FULL_LIST_TORCH " == *" $version "* ]]; then list=FULL tests=("${FULL[@]}"); fi
+        "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "${tests[@]}"
         rc=$?
         [ "$rc" -eq 5 ] && { echo "60-older-torch: torch $version: pytest collected no tests" >&2; rc=1; }
-        echo "60-older-torch: torch $version: tests took $((SECONDS - t1)) s (rc $rc)"
+        echo "60-older-torch: torch $version: $list list: tests took $((SECONDS - t1)) s (rc $rc)"
     fi
     rm -rf "$venv"
     [ "$rc" -eq 0 ] || status=1
