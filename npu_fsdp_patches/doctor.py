@@ -300,7 +300,7 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
 
 def _self_test() -> dict:
     try:
-        from .optim.self_test import run_self_test
+        from .selftest.checks.adamw_step import run_self_test
         return run_self_test()
     except Exception as exc:  # noqa: BLE001 - a broken self-test is a failed self-test
         return {"passed": False, "error": f"{type(exc).__name__}: {exc}"}

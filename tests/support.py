@@ -148,21 +148,20 @@ def assert_check(results: list[dict], name: str, declared: Iterable[str]) -> Non
 def bit_mismatches(a, b) -> tuple[int, str]:
     """Elements of tensors ``a`` and ``b`` whose bits differ, and the first one described.
 
-    NaN-safe (compares bit patterns); a DTensor is compared as its full tensor (a collective, so
-    every rank must call this); a shape or dtype difference counts every element. ``(0, "")`` means
-    bitwise equal.
+    The self-test engine's comparer (``npu_fsdp_patches.selftest.checks.compare.Comparison.exact``):
+    NaN-safe (compares bit patterns); a DTensor is compared as its full tensor (a collective, so every
+    rank must call this); a shape or dtype difference counts every element. ``(0, "")`` means equal.
     """
-    import torch
-    from torch.distributed.tensor import DTensor
-    a, b = (t.full_tensor() if isinstance(t, DTensor) else t for t in (a, b))
-    a, b = a.detach(), b.detach()
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return (max(a.numel(), b.numel(), 1),
-                f"shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}")
-    int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    differ = a.reshape(-1).view(int_type) != b.reshape(-1).view(int_type)
-    count = int(differ.sum())
-    if count == 0:
+    from npu_fsdp_patches.selftest.checks.compare import Comparison, full
+    a, b = full(a), full(b)
+    cmp = Comparison()
+    cmp.exact("", a, b)
+    if cmp.mismatches == 0:
         return 0, ""
-    i = int(differ.nonzero()[0])
-    return count, f"flat index {i}: {a.reshape(-1)[i].item()!r} vs {b.reshape(-1)[i].item()!r}"
+    first = cmp.first
+    if first["expected_bits"] is None:
+        return cmp.mismatches, f"shape/dtype {first['expected']} vs {first['got']}"
+    flat, size = 0, 1
+    for i, extent in reversed(list(zip(first["index"], a.shape))):
+        flat, size = flat + i * size, size * extent
+    return cmp.mismatches, f"flat index {flat}: {first['expected']!r} vs {first['got']!r}"

@@ -159,9 +159,9 @@ def test_doctor_self_test_passes_and_a_broken_step_gives_exit_1(demo_site):
     code = """
 import json, sys
 from npu_fsdp_patches.cli import main
-from npu_fsdp_patches.optim import self_test
-if {broken}:
-    self_test.foreach_adamw_step = self_test._fp32_then_round_step   # the rejected fp32-then-round fix
+import os
+if {broken}:   # the self-test engine's negative control: one element one ulp off
+    os.environ["NPU_FSDP_PATCHES_SELF_TEST_PLANT"] = "adamw_step"
 rc = main(["doctor", "--json", "--self-test"])
 print("RC", rc)
 """

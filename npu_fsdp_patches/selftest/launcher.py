@@ -2,26 +2,31 @@
 
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m npu_fsdp_patches.selftest.rank``
 runs in a new session; the ranks' status files give progress and, when the time is up or a rank
-dies, name each rank and the check it was in. On the way out the whole process group is killed and
-every rank process by pid, so nothing is left running.
+dies, name each rank and the check it was in. Every process of the run carries a run marker in its
+environment; on the way out (done, timed out, or stopped by a signal) the launcher's group, its
+descendants and every marked process are killed and the temporary files removed, so nothing is left.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from typing import Callable
 
 from . import report
-from .options import Plan
+from .options import POD_VARS, Plan
 
 POLL_S = 0.2
 TERM_GRACE_S = 5.0
+#: in every process of a launched run (the ranks and anything they start): how the run is found and ended
+RUN_ENV = "NPU_FSDP_PATCHES_SELF_TEST_RUN"
 ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?\n.*?rank\s*:\s*(\d+)", re.S)
 
 
@@ -50,41 +55,76 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _children(parent: int) -> set:
-    """Pids whose parent is ``parent`` (Linux /proc; torchrun starts each rank in its own session)."""
-    found = set()
+def _processes() -> dict:
+    """pid -> (parent pid, environment bytes) of every process this user can read (Linux /proc)."""
+    found = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
         try:
             with open(f"/proc/{entry}/stat", encoding="utf-8") as fh:
-                if int(fh.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    found.add(int(entry))
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                found[int(entry)] = (parent, fh.read())
         except (OSError, ValueError, IndexError):
             continue
     return found
 
 
-def _stop(proc: subprocess.Popen, statuses: list) -> None:
-    """SIGTERM torchrun (it stops its ranks), then SIGKILL its group and every rank still there."""
-    ranks = _children(proc.pid) | {s["pid"] for s in statuses if s}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def run_processes(launcher_pid, run_id: str) -> set:
+    """The launcher, every descendant of it, and every process carrying this run's marker in its
+    environment (a rank's child in a new session whose parent already died keeps the marker)."""
+    table = _processes()
+    marker = f"{RUN_ENV}={run_id}".encode()
+    found = {pid for pid, (_, environ) in table.items() if marker in environ.split(b"\0")}
+    if launcher_pid is not None:
+        found.add(launcher_pid)
+    grew = True
+    while grew:
+        more = {pid for pid, (parent, _) in table.items() if parent in found} - found
+        found |= more
+        grew = bool(more)
+    found.discard(os.getpid())
+    return found
+
+
+def _signal_all(pids: set, sig: int) -> None:
+    for pid in pids:
         try:
-            os.killpg(proc.pid, sig)
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _stop(proc, run_id: str) -> None:
+    """SIGTERM the launcher's group (torchrun stops its ranks), then SIGKILL whatever of the run is
+    left: the group, every descendant and every process with the run marker, until none is alive."""
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        for pid in ranks if sig == signal.SIGKILL else ():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
         try:
             proc.wait(timeout=TERM_GRACE_S)
         except subprocess.TimeoutExpired:
-            continue
-        deadline = time.monotonic() + TERM_GRACE_S
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        if not any(_alive(pid) for pid in ranks):
+            pass
+    deadline = time.monotonic() + TERM_GRACE_S
+    while True:
+        left = {pid for pid in run_processes(proc.pid if proc else None, run_id) if _alive(pid)}
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _signal_all(left, signal.SIGKILL)
+        if proc is not None:
+            try:
+                proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+        if not left or time.monotonic() > deadline:
             return
+        time.sleep(POLL_S)
 
 
 def _first_failure(log: str):
@@ -118,8 +158,19 @@ def rank_states(statuses: list, alive: list, timed_out: bool, log: str = "") -> 
     return out
 
 
+class Stopped(Exception):
+    """Raised by the signal handler the runner installs: stop the run, clean up, exit 128+signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def launch(plan: Plan, on_check: Callable[[dict], None]) -> tuple:
-    """Run ``plan`` on ``plan.nproc_per_node`` local ranks; returns (checks, ranks, timed_out, log tail)."""
+    """Run ``plan`` on ``plan.nproc_per_node`` local ranks; returns (checks, ranks, timed_out, log tail,
+    stopped: the :class:`Stopped` that ended the run early, or None). Every process of the run is
+    gone and the temporary files removed when it returns."""
+    plan.run_id = plan.run_id or uuid.uuid4().hex
     with tempfile.TemporaryDirectory(prefix="npu_fsdp_self_test_") as tmp:
         plan.status_dir = os.path.join(tmp, "status")
         os.makedirs(plan.status_dir)
@@ -132,30 +183,42 @@ def launch(plan: Plan, on_check: Callable[[dict], None]) -> tuple:
         log_path = os.path.join(tmp, "launcher.log")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc-per-node", str(plan.nproc_per_node), "-m", "npu_fsdp_patches.selftest.rank", plan_path]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        # a pod's rendezvous variables are for a multi-node job, not for these local ranks
+        env = {k: v for k, v in os.environ.items() if k not in POD_VARS}
+        env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ENV: plan.run_id})
+        timed_out, stopped, proc, alive, statuses = False, None, None, [], []
         with open(log_path, "w", encoding="utf-8") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            deadline = time.monotonic() + plan.timeout
-            shown, timed_out = set(), False
             try:
-                while True:
-                    finished = proc.poll() is not None
-                    statuses = _read_status(plan.status_dir, plan.nproc_per_node)
-                    _show_progress(plan, statuses, shown, on_check)
-                    if finished:
-                        break
-                    if time.monotonic() > deadline:
-                        timed_out = True
-                        break
-                    time.sleep(POLL_S)
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # pylint: disable=consider-using-with
+                                        start_new_session=True)
+                timed_out, statuses = _watch(proc, plan, on_check)
                 alive = [bool(s) and _alive(s["pid"]) for s in statuses]
+            except Stopped as exc:
+                stopped = exc
             finally:
-                _stop(proc, _read_status(plan.status_dir, plan.nproc_per_node))
+                _stop(proc, plan.run_id)
+                shutil.rmtree(os.path.join(plan.workdir, f"npu_fsdp_self_test_{plan.run_id}"), ignore_errors=True)
         statuses = _read_status(plan.status_dir, plan.nproc_per_node)
         with open(log_path, encoding="utf-8", errors="replace") as fh:
             log_tail = fh.read()[-6000:]
     checks = [report.merge(name, [s and s["results"].get(name) for s in statuses]) for name in plan.checks]
-    return checks, rank_states(statuses, alive, timed_out, log_tail), timed_out, log_tail
+    alive = alive or [False] * plan.nproc_per_node
+    return checks, rank_states(statuses, alive, timed_out, log_tail), timed_out, log_tail, stopped
+
+
+def _watch(proc: subprocess.Popen, plan: Plan, on_check: Callable[[dict], None]) -> tuple:
+    """Show progress until the launcher exits or the time is up; returns (timed out, statuses)."""
+    deadline = time.monotonic() + plan.timeout
+    shown = set()
+    while True:
+        finished = proc.poll() is not None
+        statuses = _read_status(plan.status_dir, plan.nproc_per_node)
+        _show_progress(plan, statuses, shown, on_check)
+        if finished:
+            return False, statuses
+        if time.monotonic() > deadline:
+            return True, statuses
+        time.sleep(POLL_S)
 
 
 def _show_progress(plan: Plan, statuses: list, shown: set, on_check: Callable[[dict], None]) -> None:

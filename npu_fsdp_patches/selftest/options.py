@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -17,6 +18,13 @@ DEVICES = ("npu", "cuda", "cpu")
 BACKEND_OF = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 CPU_RANKS = 2
 DEFAULT_TIMEOUT_S = 900.0
+#: longer than any sane self-test; more is a typo (and overflows torch's timedelta at inf)
+MAX_TIMEOUT_S = 86400.0
+#: set by torchrun (torch.distributed.run) for every rank it starts; RANK/WORLD_SIZE without them
+#: come from a pod's job controller (Kubeflow PyTorchJob, Volcano), not from a launcher
+LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+#: the rendezvous variables a pod's job controller sets; cleared for the ranks this command launches
+POD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class OptionError(ValueError):
@@ -36,6 +44,8 @@ class Plan:
     workdir: str = ""
     status_dir: str = ""
     in_job: bool = False
+    #: the launcher's run marker (in every rank's environment and in rank 0's workdir name)
+    run_id: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -53,17 +63,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, metavar="NAME,...",
                         help=f"run only these checks: {', '.join(CHECKS)}")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                        help="seconds for the whole run; ranks still running then are reported and killed")
+                        help="seconds for the whole run, at most 86400; ranks still running then are reported and "
+                             "killed, and the command exits 124")
     parser.add_argument("--workdir", default=None,
                         help="folder for the checkpoints the checks write (default: a temporary one); "
                              "on several nodes a folder all nodes share")
 
 
+def job_kind(env=None) -> str | None:
+    """"torchrun" (a launcher's rank), "srun" (a Slurm step), "pod" (RANK/WORLD_SIZE set with no
+    launcher: a job controller's variables) or None (a plain shell)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env and any(v in env for v in LAUNCHER_VARS):
+        return "torchrun"
+    if all(v in env for v in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")):
+        return "srun"
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return "pod"
+    return None
+
+
 def in_job() -> bool:
-    """True inside torchrun (RANK/WORLD_SIZE) or an srun step (SLURM_PROCID/SLURM_NTASKS)."""
+    """True inside torchrun or an srun step: the job's own ranks run the checks."""
+    return job_kind() in ("torchrun", "srun")
+
+
+def job_env() -> dict:
+    """rank, world_size, local_rank and the rendezvous address from torchrun's or Slurm's env vars."""
     env = os.environ
-    return ("RANK" in env and "WORLD_SIZE" in env) or ("SLURM_PROCID" in env and "SLURM_NTASKS" in env
-                                                       and "SLURM_STEP_ID" in env)
+    if job_kind() == "torchrun":
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    else:
+        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
+    if not addr:
+        raise OptionError("MASTER_ADDR is not set: export MASTER_ADDR (the first node's address) "
+                          "and MASTER_PORT before srun")
+    return {"rank": rank, "world_size": world, "local_rank": local, "master_addr": addr,
+            "master_port": env.get("MASTER_PORT", "29500")}
+
+
+def pod_error() -> str:
+    """Why a pod's variables without a launcher cannot run the checks, and the two ways out."""
+    named = ", ".join(f"{v}={os.environ[v]}" for v in POD_VARS if v in os.environ)
+    return (f"{named} set, but no launcher started this process (none of {', '.join(LAUNCHER_VARS)}): "
+            "run it under torchrun on every node (torchrun --nnodes $WORLD_SIZE --node-rank $RANK "
+            "--master-addr $MASTER_ADDR --nproc-per-node N -m npu_fsdp_patches self-test), or pass "
+            "--nproc-per-node N to test this node's devices alone")
+
+
+def check_timeout(seconds: float) -> None:
+    """Reject a --timeout that is not a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
+        raise OptionError(f"--timeout {seconds:g}: need a finite number of seconds, more than 0 and at "
+                          f"most {MAX_TIMEOUT_S:g} (24 h)")
+
+
+def _import_torch():
+    """torch, or an :class:`OptionError` saying why it cannot be imported (a broken torch_npu
+    typically: torch imports it through its backend entry point when CANN is not set up)."""
+    try:
+        import torch  # pylint: disable=import-outside-toplevel
+    except Exception as exc:  # noqa: BLE001 - torch_npu's import errors are RuntimeError, ImportError, ...
+        root = exc.__cause__ or exc.__context__ or exc
+        why = f"{type(root).__name__}: {(str(root).strip().splitlines() or [''])[0]}"
+        if importlib.util.find_spec("torch_npu") is not None:
+            raise OptionError(f"torch cannot be imported: it loads the installed torch_npu at startup, which "
+                              f"failed ({why}): source CANN's set_env.sh, or set "
+                              "TORCH_DEVICE_BACKEND_AUTOLOAD=0 to run the checks on cpu without torch_npu") from None
+        raise OptionError(f"torch cannot be imported ({why})") from None
+    return torch
+
+
+def _check_numpy() -> None:
+    try:
+        import numpy  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except Exception as exc:  # noqa: BLE001 - a broken numpy raises more than ImportError
+        raise OptionError(f"numpy cannot be imported ({type(exc).__name__}: {exc}): the ranks need it "
+                          "(torch.distributed's object collectives and torch.distributed.checkpoint call "
+                          "Tensor.numpy()); install numpy into this environment") from None
 
 
 def _select(only: str | None) -> list:
@@ -106,12 +184,17 @@ def detect_device(torch) -> str:
 
 
 def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
-    """The plan for these options; raises :class:`OptionError` for a device, backend or N that cannot run."""
-    import torch  # pylint: disable=import-outside-toplevel
-
+    """The plan for these options; raises :class:`OptionError` for a device, backend or N that cannot run,
+    or an environment the checks cannot run in (torch or numpy not importable, a pod without launcher)."""
     from .checks import why_not  # pylint: disable=import-outside-toplevel
 
+    check_timeout(args.timeout)
     wanted = _select(args.only)
+    kind = job_kind()
+    if kind == "pod" and args.nproc_per_node is None:
+        raise OptionError(pod_error())
+    torch = _import_torch()
+    _check_numpy()
     device = args.device or detect_device(torch)
     count = _device_count(torch, device)
     if device != "cpu" and count == 0:
@@ -122,7 +205,9 @@ def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
         raise OptionError(f"--backend {backend} cannot run FSDP2 collectives on {device} tensors; "
                           f"use --backend {BACKEND_OF[device]} (or a --device that {backend} serves: "
                           f"{', '.join(d for d, b in BACKEND_OF.items() if b == backend)})")
-    job = in_job()
+    job = kind in ("torchrun", "srun")
+    if job:
+        job_env()
     if job and args.nproc_per_node is not None:
         raise OptionError("--nproc-per-node: inside a torchrun job or srun step the job's own ranks run "
                           "the checks; drop the option")
@@ -133,8 +218,6 @@ def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
         raise OptionError(f"--nproc-per-node {nproc}: only {count} {device} device(s) visible on this node")
     if args.workdir and not os.path.isdir(args.workdir):
         raise OptionError(f"--workdir {args.workdir}: not an existing folder")
-    if args.timeout <= 0:
-        raise OptionError(f"--timeout {args.timeout}: need a positive number of seconds")
     skipped = {name: why_not(name, decisions) for name in wanted}
     return Plan(device=device, backend=backend, nproc_per_node=nproc, timeout=args.timeout,
                 checks=[n for n in wanted if skipped[n] is None],

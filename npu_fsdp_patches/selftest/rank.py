@@ -7,6 +7,7 @@ launcher shows progress and names a rank that hangs or dies.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -18,23 +19,8 @@ import traceback
 from typing import Callable, Optional
 
 from . import checks
-from .options import Plan
-from .checks.plant import misbehave
-
-
-def job_env() -> dict:
-    """rank, world_size, local_rank and the rendezvous address from torchrun's or Slurm's env vars."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    else:
-        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    addr = env.get("MASTER_ADDR") or env.get("SLURM_LAUNCH_NODE_IPADDR")
-    if not addr:
-        raise RuntimeError("MASTER_ADDR is not set: export MASTER_ADDR (the first node's address) "
-                           "and MASTER_PORT before srun")
-    return {"rank": rank, "world_size": world, "local_rank": local, "master_addr": addr,
-            "master_port": env.get("MASTER_PORT", "29500")}
+from .options import Plan, job_env
+from .checks.plant import misbehave, planted
 
 
 class StatusFile:
@@ -67,16 +53,42 @@ def _set_device(torch, device: str, local_rank: int):
     return torch.device(device, local_rank)
 
 
+def _applied() -> list:
+    """The patches applied in this process so far."""
+    import npu_fsdp_patches  # pylint: disable=import-outside-toplevel
+
+    return sorted(r["name"] for r in npu_fsdp_patches.status() if r["state"] == "applied")
+
+
 def run_check(name: str, ctx) -> dict:
-    """Run one check; an exception is a failed check carrying its traceback tail."""
+    """Run one check; an exception is a failed check carrying its traceback tail.
+
+    The result names ``patches``: the patch the check verifies (its module's ``PATCH``) when it was
+    applied, and ``applied``: every patch applied in this rank by the end of the check.
+    """
     start = time.monotonic()
+    module = None
     try:
-        result = checks.load(name).run(ctx)
+        module = checks.load(name)
+        result = module.run(dataclasses.replace(ctx, planted=planted(name)))
     except Exception as exc:  # noqa: BLE001 - reported as this check's failure
         result = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
     result["seconds"] = round(time.monotonic() - start, 3)
+    result["applied"] = _applied()
+    patch = getattr(module, "PATCH", None)
+    result["patches"] = [patch] if patch in result["applied"] and "skipped" not in result else []
     return result
+
+
+def _make_workdir(plan: Plan) -> str:
+    """Rank 0's folder for the checkpoints: named after the launcher's run (which removes it even
+    when the ranks are killed), else a fresh temporary one."""
+    if not plan.run_id:
+        return tempfile.mkdtemp(prefix="npu_fsdp_self_test_", dir=plan.workdir or None)
+    path = os.path.join(plan.workdir or tempfile.gettempdir(), f"npu_fsdp_self_test_{plan.run_id}")
+    os.makedirs(path)
+    return path
 
 
 def run_rank(plan: Plan, on_result: Optional[Callable[[str, list], None]] = None,
@@ -101,7 +113,7 @@ def run_rank(plan: Plan, on_result: Optional[Callable[[str, list], None]] = None
                             timeout=datetime.timedelta(seconds=plan.timeout))
     try:
         # one fresh folder for all ranks (DCP needs it shared), removed at the end
-        workdir = [tempfile.mkdtemp(prefix="npu_fsdp_self_test_", dir=plan.workdir or None) if rank == 0 else None]
+        workdir = [_make_workdir(plan) if rank == 0 else None]
         dist.broadcast_object_list(workdir, src=0)
         ctx = Context(rank=rank, world=world, device=device, workdir=workdir[0],
                       mesh=init_device_mesh(device.type, (world,)))

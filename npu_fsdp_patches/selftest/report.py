@@ -7,8 +7,12 @@ JSON schema ``npu-fsdp-patches/self-test`` version 1 (README, "Self-test on your
      "versions": {"python": str, "torch": str, "torch_npu": str | null, "npu_fsdp_patches": str,
                   "frameworks": {NAME: VERSION}},
      "checks": [CHECK, ...], "ranks": [RANK, ...] | null, "timed_out": bool,
-     "passed": bool, "exit_code": 0 | 1}
+     "patches_applied": [str, ...] | null,  # applied in the ranks while the checks ran (null: no check finished)
+     "nothing_patched": bool,           # true: no patch was applied; the checks verified optim's numerics only
+     "stopped_by": "SIGTERM" | "SIGHUP" | "SIGINT" | null,
+     "passed": bool, "exit_code": 0 | 1 | 124 (timed out) | 128 + signal (stopped by it)}
     CHECK = {"name": str, "status": "passed" | "failed" | "skipped" | "not run",
+             "patches": [str, ...],     # the patch this check verifies, when it was applied
              "reason": str | null, "seconds": float | null, "elements": int | null,
              "mismatches": int | null, "max_abs_error": float | null, "tolerance": str | dict | null,
              "first_mismatch": null | {"rank": int, "what": str, "index": [int, ...],
@@ -21,12 +25,14 @@ JSON schema ``npu-fsdp-patches/self-test`` version 1 (README, "Self-test on your
 """
 from __future__ import annotations
 
+import signal
 from typing import Optional
 
 SCHEMA = "npu-fsdp-patches/self-test"
 SCHEMA_VERSION = 1
 _FIGURES = ("passed", "elements", "mismatches", "max_abs_error", "first_mismatch", "tolerance", "seconds",
-            "error", "traceback", "skipped")
+            "error", "traceback", "skipped", "patches", "applied")
+EXIT_TIMEOUT = 124
 
 
 def merge(name: str, per_rank: list) -> dict:
@@ -35,6 +41,8 @@ def merge(name: str, per_rank: list) -> dict:
     check = _empty(name, "not run")
     if not results:
         return check
+    check["applied"] = sorted({name for r in results for name in r.get("applied", ())})
+    check["patches"] = sorted({name for r in results for name in r.get("patches", ())})
     skipped = next((r["skipped"] for r in results if "skipped" in r), None)
     if skipped is not None:
         check.update(status="skipped", reason=skipped, seconds=max(r.get("seconds", 0) for r in results))
@@ -58,7 +66,7 @@ def merge(name: str, per_rank: list) -> dict:
 
 
 def _empty(name: str, status: str, reason: Optional[str] = None) -> dict:
-    return {"name": name, "status": status, "reason": reason, "seconds": None, "elements": None,
+    return {"name": name, "status": status, "patches": [], "reason": reason, "seconds": None, "elements": None,
             "mismatches": None, "max_abs_error": None, "tolerance": None, "first_mismatch": None,
             "error": None, "details": {}}
 
@@ -71,15 +79,23 @@ def not_run(name: str, reason: str) -> dict:
     return _empty(name, "not run", reason)
 
 
-def assemble(plan, versions: dict, checks: list, ranks: Optional[list], timed_out: bool, world: int) -> dict:
+def assemble(plan, versions: dict, checks: list, ranks: Optional[list], timed_out: bool, world: int,
+             stopped_by: Optional[int] = None) -> dict:
+    """The report; ``stopped_by`` is the signal number that ended the run early."""
+    known = [c.pop("applied") for c in checks if "applied" in c]   # from the checks a rank finished
+    applied = sorted({name for names in known for name in names}) if known else None
     ran = [c for c in checks if c["status"] != "skipped"]
     ranks_ok = ranks is None or all(r["state"] == "finished" for r in ranks)
-    passed = bool(ran) and all(c["status"] == "passed" for c in ran) and ranks_ok and not timed_out
+    passed = bool(ran) and all(c["status"] == "passed" for c in ran) and ranks_ok and not timed_out \
+        and stopped_by is None
+    code = 128 + stopped_by if stopped_by else EXIT_TIMEOUT if timed_out else 0 if passed else 1
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "mode": "in_job" if plan.in_job else "launched",
             "device": plan.device, "backend": plan.backend, "world_size": world,
             "nproc_per_node": None if plan.in_job else plan.nproc_per_node, "versions": versions,
-            "checks": checks, "ranks": ranks, "timed_out": timed_out, "passed": passed,
-            "exit_code": 0 if passed else 1}
+            "checks": checks, "ranks": ranks, "timed_out": timed_out, "patches_applied": applied,
+            "nothing_patched": applied == [],
+            "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
+            "passed": passed, "exit_code": code}
 
 
 def _number(value) -> str:
@@ -90,6 +106,8 @@ def check_line(check: dict) -> str:
     """The progress line of one check, plus its first mismatch / error when it failed."""
     tag = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(check["status"], "----")
     line = f"[{tag}] {check['name']:<20}"
+    if check.get("patches"):
+        line += f" (patch {', '.join(check['patches'])})"
     if check["status"] in ("skipped", "not run"):
         return f"{line} {check['reason'] or check['status']}"
     line += (f" {check['seconds']:7.2f} s  elements {check['elements']}  mismatches {check['mismatches']}"
@@ -133,6 +151,11 @@ def summary(report: dict) -> str:
             lines.append(f"rank {r['rank']}: {r['state']}{where}{spent}" + (f": {r['error']}" if r["error"] else ""))
     if report["timed_out"]:
         lines.append("timed out: every rank still running was killed")
+    if report["nothing_patched"]:
+        lines.append("nothing patched: no npu_fsdp_patches patch was applied in the ranks; the checks "
+                     "verified the standalone optim numerics only")
+    elif report["patches_applied"]:
+        lines.append(f"patches applied: {', '.join(report['patches_applied'])}")
     verdict = "PASSED" if report["passed"] else "FAILED"
     lines.append(f"{verdict}: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
                  + f" (exit {report['exit_code']})")

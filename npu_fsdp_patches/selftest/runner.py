@@ -8,12 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
+from typing import Optional
 
 from . import report
 from .checks import CHECKS
-from .options import EXIT_BAD_OPTIONS, OptionError, Plan, resolve
+from .launcher import Stopped
+from .options import EXIT_BAD_OPTIONS, OptionError, Plan, job_env, resolve
 
 
 def _decisions() -> dict:
@@ -39,17 +42,45 @@ def _versions() -> dict:
             "npu_fsdp_patches": npu_fsdp_patches.__version__, "frameworks": frameworks}
 
 
+#: the signals that stop a run: it kills its ranks, removes its files and exits 128 + the signal
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the self-test for parsed ``args``; returns the exit code (0 pass, 1 fail, 2 bad options)."""
+    """Run the self-test for parsed ``args``; returns the exit code (0 pass, 1 fail, 2 bad options or
+    environment, 124 timed out, 128 + signal stopped by SIGTERM, SIGHUP or SIGINT)."""
+    previous = _install_stop_handlers()
     try:
         plan = resolve(args, _decisions())
+        versions = _versions()
+        if plan.in_job:
+            return _run_in_job(plan, versions, args.json)
+        return _run_launched(plan, versions, args.json)
     except OptionError as exc:
         print(f"npu-fsdp-patches self-test: {exc}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
-    versions = _versions()
-    if plan.in_job:
-        return _run_in_job(plan, versions, args.json)
-    return _run_launched(plan, versions, args.json)
+    except Stopped as exc:   # before or after the ranks ran: nothing of the run is left
+        print(f"npu-fsdp-patches self-test: stopped by {exc}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _install_stop_handlers() -> dict:
+    """Turn SIGTERM/SIGHUP/SIGINT into :class:`Stopped` (once: further ones are ignored while the run
+    cleans up); returns the handlers to restore. Only the main thread can install them."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, _frame):
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+    return previous
 
 
 def _emit(text: str, as_json: bool) -> None:
@@ -58,11 +89,17 @@ def _emit(text: str, as_json: bool) -> None:
 
 
 def _finish(plan: Plan, versions: dict, checks: list, ranks, timed_out: bool, world: int, as_json: bool,
-            log_tail: str = "") -> int:
-
+            log_tail: str = "", stopped: Optional[Stopped] = None) -> int:
     ordered = list(checks) + [report.skipped(n, why) for n, why in plan.skipped.items()]
     ordered.sort(key=lambda c: list(CHECKS).index(c["name"]))
-    result = report.assemble(plan, versions, ordered, ranks, timed_out, world)
+    result = report.assemble(plan, versions, ordered, ranks, timed_out, world, stopped and stopped.signum)
+    if stopped is not None:   # one line; the JSON report still goes to stdout for --json
+        print(f"npu-fsdp-patches self-test: stopped by {stopped}: killed the launcher and its "
+              f"{plan.nproc_per_node} rank(s), removed the temporary files (exit {result['exit_code']})",
+              file=sys.stderr, flush=True)
+        if as_json:
+            print(json.dumps(result, indent=2, default=str))
+        return result["exit_code"]
     if log_tail and any(r["state"] not in ("finished",) for r in ranks or []):
         _emit("--- torch.distributed.run output (tail) ---\n" + log_tail.strip(), as_json)
     for c in result["checks"]:
@@ -81,7 +118,9 @@ def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
                          "backend": plan.backend}), as_json)
     if not plan.checks:
         return _finish(plan, versions, [], None, False, plan.nproc_per_node, as_json)
-    checks, ranks, timed_out, log_tail = launch(plan, lambda c: _emit(report.check_line(c), as_json))
+    checks, ranks, timed_out, log_tail, stopped = launch(plan, lambda c: _emit(report.check_line(c), as_json))
+    if stopped is not None:
+        return _finish(plan, versions, checks, ranks, False, plan.nproc_per_node, as_json, stopped=stopped)
     for c in checks:  # progress showed only the checks every rank finished
         if c["status"] == "not run":
             c["reason"] = "not every rank finished it"
@@ -92,7 +131,7 @@ def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
 
 def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
     """Every rank of the job runs this; rank 0 prints. A watchdog ends a rank still here at --timeout."""
-    from .rank import StatusFile, job_env, run_rank  # pylint: disable=import-outside-toplevel
+    from .rank import StatusFile, run_rank  # pylint: disable=import-outside-toplevel
 
     job = job_env()
     status = StatusFile("", job["rank"])
@@ -125,7 +164,7 @@ def _start_watchdog(timeout: float, rank: int, status) -> None:
         where = status.data["current"]
         print(f"npu-fsdp-patches self-test: rank {rank} timed out after {timeout:g} s"
               f"{f' in check {where}' if where else ''}; exiting", file=sys.stderr, flush=True)
-        os._exit(124)
+        os._exit(report.EXIT_TIMEOUT)
     timer = threading.Timer(timeout, expire)
     timer.daemon = True
     timer.start()

@@ -9,6 +9,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .compare import Comparison
+
 #: torch >= 2.7 can skip distribute_tensor's broadcast (src_data_rank=None); torch 2.6 has no such argument
 _CAN_SKIP_BROADCAST = "src_data_rank" in inspect.signature(distribute_tensor).parameters
 
@@ -23,6 +25,12 @@ class Context:
     device: torch.device
     mesh: Any
     workdir: str
+    #: set by the engine for a negative control: the check's comparison sees its result one ulp off
+    planted: bool = False
+
+    def comparison(self) -> Comparison:
+        """A fresh comparer for this check (the engine's negative control rides on it)."""
+        return Comparison(plant=self.planted)
 
     def tensor(self, seed: int, shape, dtype: torch.dtype = torch.float32, span: float = 3.0) -> torch.Tensor:
         """Identical on every rank (made on CPU from ``seed``): magnitudes 10**-span..1, random signs."""

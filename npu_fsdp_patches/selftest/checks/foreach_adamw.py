@@ -10,10 +10,8 @@ import torch
 
 from npu_fsdp_patches.optim import foreach_adamw_step
 
-from .compare import Comparison
 from .context import Context
 from .fsdp_model import set_dtensor_grads, sharded_copies
-from .plant import nudge, planted
 
 NAME = "foreach_adamw"
 STEPS = 50
@@ -21,7 +19,7 @@ HYPER = {"lr": 1e-3, "weight_decay": 0.01}
 
 
 def run(ctx: Context) -> dict:
-    cmp = Comparison()
+    cmp = ctx.comparison()
     for dtype in (torch.bfloat16, torch.float32):
         reference, candidate = sharded_copies(ctx, dtype, 2)
         ref_opt = torch.optim.AdamW(reference, foreach=True, **HYPER)
@@ -32,8 +30,6 @@ def run(ctx: Context) -> dict:
             set_dtensor_grads(ctx, step, candidate)
             ref_opt.step()
             foreach_adamw_step(opt)
-            if planted(NAME) and step == STEPS:
-                nudge(candidate[0])
             for i, (r, c) in enumerate(zip(reference, candidate)):
                 cmp.exact(f"{label} step {step} param {i}", r.to_local(), c.to_local())
                 for key in ("exp_avg", "exp_avg_sq"):

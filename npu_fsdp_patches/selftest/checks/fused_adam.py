@@ -17,7 +17,6 @@ from npu_fsdp_patches.optim import FusedAdam
 
 from .compare import Comparison, full
 from .context import SHAPES, Context
-from .plant import nudge, planted
 
 NAME = "fused_adam"
 STEPS, RESUME_STEPS = 5, 2
@@ -44,7 +43,7 @@ def _step(ctx: Context, params: list, opt: FusedAdam, step: int, decoupled: bool
 
 
 def run(ctx: Context) -> dict:
-    cmp = Comparison()
+    cmp = ctx.comparison()
     for label, (dtype, kwargs) in CONFIGS.items():
         decoupled = kwargs.get("use_decoupled_grad", False)
         sharded, reference = _params(ctx, dtype, True), _params(ctx, dtype, False)
@@ -79,8 +78,6 @@ def _dcp_round_trip(ctx: Context, cmp: Comparison, label: str, params: list, opt
     for step in range(STEPS, STEPS + RESUME_STEPS):
         _step(ctx, params, opt, step, decoupled)
         _step(ctx, loaded, loaded_opt, step, decoupled)
-    if planted(NAME):
-        nudge(loaded[0])
     for i, (p, q) in enumerate(zip(params, loaded)):
         cmp.exact(f"{label} dcp param {i}", full(p), full(q))
         for key, value in opt.state[p].items():

@@ -13,10 +13,8 @@ import torch
 
 import npu_fsdp_patches
 
-from .compare import Comparison
 from .context import Context
 from .fsdp_model import set_dtensor_grads, sharded_copies
-from .plant import nudge, planted
 
 NAME = "hyper_skip_dispatch"
 PATCH = "hp_skip_dispatch_adamw"
@@ -48,7 +46,7 @@ def run(ctx: Context) -> dict:
         return {"skipped": f"patch {PATCH} is {state}"}
     shard = _hyper_shard()
     hmesh = hp.init_device_mesh(ctx.device.type, (ctx.world,))
-    cmp = Comparison()
+    cmp = ctx.comparison()
     for dtype in (torch.bfloat16, torch.float32):
         (reference,) = sharded_copies(ctx, dtype, 1)
         candidate = [hp.DTensor.from_local(p.to_local().detach().clone().requires_grad_(), hmesh, (shard(0),))
@@ -63,8 +61,6 @@ def run(ctx: Context) -> dict:
             ref_opt.step()
             with hp.SkipDTensorDispatch():
                 opt.step()
-            if planted(NAME) and step == STEPS:
-                nudge(candidate[0].to_local())
             for i, (r, c) in enumerate(zip(reference, candidate)):
                 cmp.exact(f"{label} step {step} param {i}", r.to_local(), c.to_local())
                 for key in ("exp_avg", "exp_avg_sq"):

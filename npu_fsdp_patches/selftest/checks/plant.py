@@ -1,12 +1,16 @@
-"""Test-only planted bugs: the negative controls of the self-test (never set in production).
+"""Test-only planted faults: the negative controls of the self-test (never set in production).
 
-``NPU_FSDP_PATCHES_SELF_TEST_PLANT`` is a comma list. ``<check>`` moves one element of that check's
-system-under-test side by one ulp, so the check must fail; ``hang:<rank>`` makes that rank sleep at
-the start of its first check and ``die:<rank>`` makes it exit, so the launcher must report the rank.
+``NPU_FSDP_PATCHES_SELF_TEST_PLANT`` is a comma list. ``<check>`` makes the engine hand that check a
+comparison whose first bitwise comparison sees the result one ulp off (:mod:`.compare`), so the check
+must fail; ``hang:<rank>`` makes that rank start a sleeping child of its own (in a new session, like
+a compile worker would be) and sleep at the start of its first check, and ``die:<rank>`` makes it
+exit there, so the launcher must report the rank and leave nothing running.
 """
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 ENV = "NPU_FSDP_PATCHES_SELF_TEST_PLANT"
@@ -25,18 +29,7 @@ def misbehave(rank: int) -> None:
     if f"die:{rank}" in _items():
         os._exit(3)
     if f"hang:{rank}" in _items():
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],  # pylint: disable=consider-using-with
+                         start_new_session=True, stdin=subprocess.DEVNULL)
         while True:
             time.sleep(60)
-
-
-def nudge(tensor) -> None:
-    """Move the first local element of ``tensor`` (a param, a state, a DTensor) by one ulp in place."""
-    import torch  # pylint: disable=import-outside-toplevel
-
-    local = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
-    flat = local.detach().reshape(-1)
-    if flat.numel() == 0:
-        return
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    with torch.no_grad():
-        flat[:1].view(bits).add_(1)
