@@ -1,15 +1,16 @@
 """Train a bf16 model with Muon + AdamW on fp32 main params under torch FSDP2, save, resume.
 
-    torchrun --nproc_per_node=2 examples/fsdp2_main_params_muon.py [--steps 4] [--ckpt DIR]
+    torchrun --nproc_per_node=2 examples/fsdp2_main_params_muon.py [--device cpu|cuda|npu]
+                                                                   [--steps 4] [--ckpt DIR]
 
-CPU + gloo. Follows RFC 001's build order (docs/hyper_parallel.md#rfc-001-6-model-dtype): validate the config,
+Follows RFC 001's build order (docs/hyper_parallel.md#rfc-001-6-model-dtype): validate the config,
 build and shard the model, cast it to model_init_dtype, build Muon (2-D weights) + AdamW (embeddings, head,
 biases), wrap them in MainParamsOptimizer. It saves after half the steps, resumes into a fresh model and
-optimizer, and checks the resumed losses equal the uninterrupted run's.
+optimizer. The check: the load restored the fp32 main params ("main_params"), the resumed losses equal
+the uninterrupted run's, and the loss went down. Exits 1 otherwise. Needs torch.optim.Muon (torch >= 2.9).
 """
 import argparse
 import os
-import sys
 import tempfile
 
 import torch
@@ -19,9 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, load_checkpoint,
-                                    save_checkpoint, validate_fp32_main_params_config)
-from npu_fsdp_patches.optim.muon_routing import build_muon_adamw
+from device_setup import add_device_argument, finish, init_distributed
+from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, build_muon_adamw,
+                                    load_checkpoint, save_checkpoint, validate_fp32_main_params_config)
 
 CONFIG = {
     "model_init_dtype": "bfloat16",
@@ -42,15 +43,17 @@ class TinyLM(nn.Module):
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, ids):
-        h = self.embed(ids)
+        # Tokens as rows of 2-D activations: nn.Linear on a 3-D input returns a view, and FSDP2 warns
+        # about a view returned from a sharded module (an in-place op on it would skip its hooks).
+        h = self.embed(ids.reshape(-1))
         for block in self.blocks:
             h = h + block(h)
-        return self.lm_head(h)
+        return self.lm_head(h)      # (tokens, VOCAB)
 
 
-def build(mesh):
+def build(mesh, device):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM().to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
@@ -61,11 +64,11 @@ def build(mesh):
     return model, MainParamsOptimizer(chain, model)
 
 
-def train_step(model, opt, step, rank, world):
+def train_step(model, opt, rank, world, device):
     g = torch.Generator().manual_seed(0)   # one fixed batch: the loss must go down
-    ids = torch.randint(0, VOCAB, (4 * world, 8), generator=g)[rank * 4:(rank + 1) * 4]
+    ids = torch.randint(0, VOCAB, (4 * world, 8), generator=g)[rank * 4:(rank + 1) * 4].to(device)
     logits = model(ids[:, :-1]).float()
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    loss = F.cross_entropy(logits, ids[:, 1:].reshape(-1))
     loss.backward()
     opt.prepare_grads()
     torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
@@ -78,37 +81,39 @@ def train_step(model, opt, step, rank, world):
 
 def main():
     parser = argparse.ArgumentParser()
+    add_device_argument(parser)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
     validate_fp32_main_params_config(CONFIG)      # fails before any model is built
-    dist.init_process_group("gloo")
+    device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"fsdp2_main_params_muon_{os.getppid()}")
     half = args.steps // 2
 
-    model, opt = build(mesh)
+    model, opt = build(mesh, device)
     losses = []
     for step in range(args.steps):
         if step == half:
             save_checkpoint(ckpt, model, opt)
-        losses.append(train_step(model, opt, step, rank, world))
+        losses.append(train_step(model, opt, rank, world, device))
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
 
-    model2, opt2 = build(mesh)
+    model2, opt2 = build(mesh, device)
     branch = load_checkpoint(ckpt, model2, opt2)
-    resumed = [train_step(model2, opt2, step, rank, world) for step in range(half, args.steps)]
+    resumed = [train_step(model2, opt2, rank, world, device) for _ in range(half, args.steps)]
     if rank == 0:
         for step, loss in zip(range(half, args.steps), resumed):
             print(f"resumed step {step} loss {loss:.6f}", flush=True)
         print(f"load branch: {branch}")
         print(f"resume matches uninterrupted: {resumed == losses[half:]}")
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()  # then skip interpreter teardown, where gloo threads can abort a finished run
-    os._exit(0)
+    failures = [what for what, bad in (
+        (f"load_checkpoint took the {branch!r} branch, not 'main_params'", branch != "main_params"),
+        ("the resumed losses differ from the uninterrupted run's", resumed != losses[half:]),
+        ("the loss did not go down", not losses[-1] < losses[0])) if bad]
+    finish(not failures, "; ".join(failures))
 
 
 if __name__ == "__main__":
