@@ -94,3 +94,11 @@ def test_report_markdown_says_why_the_self_test_was_skipped_and_what_was_not_fou
     md = markdown(report, "r.json")
     assert "| CANN toolkit | not found |" in md and "| NPU driver | not found |" in md
     assert "| NPUs | npu-smi: not found |" in md and "Skipped: --no-self-test was given." in md
+
+
+def test_report_to_a_path_it_cannot_write_exits_2_at_once(tmp_path):
+    (tmp_path / "file").write_text("")
+    proc = subprocess.run([SCRIPT, "report", "-o", str(tmp_path / "file" / "bug")], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)    # before doctor and the self-test run
+    assert proc.returncode == 2 and f"cannot write {tmp_path / 'file' / 'bug.json'}" in proc.stderr
+    assert "Traceback" not in proc.stderr
