@@ -1,6 +1,6 @@
 """Collect what doctor reports as one JSON-ready dict (rendering lives in render.py).
 
-Schema "npu-fsdp-patches/doctor" version 1 (documented in the README): plugin, environment,
+Schema "npu-fsdp-patches/doctor" version 1 (docs/cli.md#doctor-json-schema): plugin, environment,
 frameworks, patches (the status() records), errors, warnings, optional self_test, exit_code.
 Anything that could crash or hang (importing torch, torch_npu or the patch targets) runs in a child
 interpreter with the user's environment.

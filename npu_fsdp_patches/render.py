@@ -33,8 +33,9 @@ def _code_lines(patches: list) -> list:
     comes from a third-party entry point (or from nowhere) on its own line."""
     builtin = sorted({f"{p['distribution']} {p['version']}" for r in patches
                       if (p := r.get("provenance")) and p["builtin"]})
-    out = ["", "Patch code: " + (f"built into {', '.join(builtin)}" if builtin else "no built-in patch")
-           + ("" if all((r.get("provenance") or {}).get("builtin") for r in patches) else "; except:")]
+    others = not all((r.get("provenance") or {}).get("builtin") for r in patches)
+    head = f" built into {', '.join(builtin)}" if builtin else ""
+    out = ["", "Patch code:" + head + (", except:" if builtin and others else "")]
     col = _name_width(patches)
     for r in patches:
         p = r.get("provenance")

@@ -1,5 +1,5 @@
 """``npu-fsdp-patches report``: one bug report, written as OUTPUT.json and its Markdown rendering
-OUTPUT.md (to paste into an issue). Schema "npu-fsdp-patches/report": docs/cli.md#report.
+OUTPUT.md (to paste into an issue). Schema "npu-fsdp-patches/report": docs/cli.md#report-json-schema.
 
 It bundles doctor's JSON (with ``--import``), the ``self-test --json`` result (run as a child with a
 time limit, or the reason it was skipped) and report_env's facts about the machine. Exit code 0 when
@@ -104,15 +104,23 @@ def output_paths(output: str) -> tuple:
     return base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
 
 
+def _write(path: Path, text: str) -> bool:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        print(f"npu-fsdp-patches report: cannot write {path}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
     json_path, md_path = output_paths(args.output)
+    if not _write(json_path, "") or not _write(md_path, ""):   # find out now, not after the self-test
+        return EXIT_CANNOT_WRITE
     report = collect_report(not args.no_self_test, args.self_test_timeout)
-    try:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        md_path.write_text(markdown(report, json_path.name), encoding="utf-8")
-    except OSError as exc:
-        print(f"npu-fsdp-patches report: cannot write {json_path} / {md_path}: {exc}", file=sys.stderr)
+    if not _write(json_path, json.dumps(report, indent=2) + "\n") or \
+            not _write(md_path, markdown(report, json_path.name)):
         return EXIT_CANNOT_WRITE
     print(f"wrote {json_path} and {md_path}")
     return EXIT_WRITTEN

@@ -513,6 +513,7 @@ class Runtime:
                 todo.append(name)
         self._register_hooks()
         failures = [f for name in todo for f in self._arm(name)]   # patch code: no lock
+        self.summary.update(self.snapshot)
         if refused is not None:
             raise refused
         with self._lock:

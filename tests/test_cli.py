@@ -113,6 +113,9 @@ def test_activation_summary_one_line_when_the_last_patch_settles(demo_site):
     lines = _summary_run(demo_site, "none", NPU_FSDP_PATCHES_LOG="info")
     assert lines == ["INFO npu_fsdp_patches: npu_fsdp_patches: 2 of 4 patches enabled: pending demo_shout "
                      "(waits for import of demo_target), demo_child (waits for import of demo_target)"], lines
+    # nothing enabled: the line comes at activation
+    assert _summary_run(demo_site, "none", NPU_FSDP_PATCHES_LOG="info", NPU_FSDP_PATCHES_DISABLE="*") == [
+        "INFO npu_fsdp_patches: npu_fsdp_patches: 0 of 4 patches enabled"]
     assert _summary_run(demo_site, "import", NPU_FSDP_PATCHES_LOG="info", RANK="1") == []   # rank 0 only
     assert _summary_run(demo_site, "import", NPU_FSDP_PATCHES_LOG="warning") == []
 

@@ -1,10 +1,12 @@
 """doctor text/JSON, exit codes, explain and list, through the real CLI in fresh interpreters."""
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.core_demo import demo_env
-from tests.support import install_fixture, make_dist, run_python
+from tests.support import REPO_ROOT, install_fixture, make_dist, run_python
 
 
 def cli(tmp_path, *args, matrix="demo_matrix.yaml", extra_paths=(), **env):
@@ -58,9 +60,11 @@ def test_doctor_text_fits_100_columns_with_one_line_per_patch(tmp_path):
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
     start = lines.index(next(line for line in lines if line.startswith("Patches (matrix:")))
-    patch_lines = lines[start + 1:lines.index("", start)]
+    header, *patch_lines = lines[start + 1:lines.index("", start)]
+    assert header.split() == ["patch", "decision", "state", "reason"]   # column headers
     assert [line.split()[0] for line in patch_lines] == ["demo_shout", "demo_child", "demo_gated_off", "demo_absent"]
     assert "  demo_gated_off disabled  disabled   demo-framework 1.2.0 does not match <1.0" in lines
+    assert lines[lines.index("Frameworks") + 1].split() == ["name", "version", "source", "location"]
     assert lines[-1] == "Summary: 2 disabled, 2 pending; exit code 0"
 
 
@@ -136,7 +140,7 @@ def test_explain_and_list(tmp_path):
     assert proc.returncode == 0
     out = proc.stdout
     assert out.startswith("demo_shout: append ! to greet and scale Engine.run\n")
-    assert "  [1] yes demo-framework 1.2.0 matches >=1.0" in out
+    assert "  [1] yes demo >=1.0: demo-framework 1.2.0 matches >=1.0" in out
     assert "  demo_target:Engine.gone?" in out
     assert "Appends '!' to greet() and multiplies Engine.run by 10." in out
     assert "Upstream fix: demo commit abc123" in out and "Upstream issues: demo#1" in out
@@ -198,7 +202,7 @@ print(json.dumps(out))
 def test_doctor_shows_each_patch_provenance(tmp_path):
     proc = cli(tmp_path, "doctor")
     lines = proc.stdout.splitlines()
-    start = lines.index("Patch code (distribution and version)")
+    start = lines.index("Patch code:")
     assert lines[start + 1] == "  demo_shout     demo-patches 0.1.0 entry point demo_patches:Shout"
     report = json.loads(cli(tmp_path, "doctor", "--json").stdout)
     assert report["patches"][0]["provenance"] == {"value": "demo_patches:Shout", "distribution": "demo-patches",
@@ -267,3 +271,97 @@ def test_doctor_text_says_unknown_version_instead_of_none():
               "frameworks": {"megatron_core": fw}, "patches": [], "errors": [], "warnings": [], "exit_code": 0}
     line = next(x for x in doctor_text(report).splitlines() if x.startswith("  megatron_core"))
     assert "None" not in line and "unknown version" in line
+
+
+def _report(**over):
+    """A doctor report dict for render tests (the shape collect() returns)."""
+    report = {"plugin": {"version": "0", "matrix": "m.yaml", "config_error": None},
+              "environment": {"python": "3", "platform": "p", "torch": "2.13.0", "device": "cpu",
+                              "device_error": None, "torch_npu": {"installed": False}},
+              "frameworks": {}, "patches": [], "errors": [], "warnings": [], "exit_code": 0}
+    report.update(over)
+    return report
+
+
+def _record(name, reason, provenance=None):
+    return {"name": name, "decision": "disabled", "state": "disabled", "reason": reason, "error": None,
+            "note": None, "provenance": provenance or {"value": "x:Y", "distribution": "npu-fsdp-patches",
+                                                       "version": "0.1.0", "builtin": True}}
+
+
+def test_doctor_wraps_long_reasons_under_the_row_and_shows_builtin_provenance_once():
+    from npu_fsdp_patches.render import doctor_text
+    reason = "torch 2.13.0+cpu matches >=2.6; " + "transformer-engine 2.11.0 does not match <2.10 " * 3 + "END"
+    patches = [_record("te_fused_adam_dtensor", reason), _record("hp_fp32_main_params", "short")]
+    lines = doctor_text(_report(patches=patches)).splitlines()
+    assert max(len(line) for line in lines) <= 100
+    row = lines.index(next(line for line in lines if line.startswith("  te_fused_adam_dtensor")))
+    column = lines[row].index("torch 2.13.0")
+    assert lines[row + 1].startswith(" " * column) and lines[row + 1][column] != " "   # wrapped under the row
+    assert "END" in " ".join(lines[row:row + 4]) and not any(line.endswith("…") for line in lines)
+    assert [line for line in lines if "npu-fsdp-patches 0.1.0" in line] == [
+        "Patch code: built into npu-fsdp-patches 0.1.0"]
+
+
+def test_doctor_text_has_no_dangling_reference_and_no_empty_section():
+    from npu_fsdp_patches.render import doctor_text
+    env = {"python": "3", "platform": "p", "torch": "2.13.0", "device": None,
+           "device_error": "RuntimeError: Failed to load the backend extension: torch_npu",
+           "torch_npu": {"installed": True, "version": "2.8.0", "importable": False,
+                         "import_error": "ImportError: libhccl.so"}}
+    npu_error = "torch_npu 2.8.0 is installed but cannot be imported: ImportError: libhccl.so. Next step: ..."
+    text = doctor_text(_report(environment=env, errors=[npu_error]))   # no Warnings section: torch's own
+    assert "Warnings" not in text and "see Warnings" not in text       # failure is named where it is
+    assert "import fails: RuntimeError: Failed to load the backend extension: torch_npu" in text
+    assert "NOT importable (see Errors)" in text and "\nErrors\n" in text
+    config = doctor_text(_report(plugin={"version": "0", "matrix": None, "config_error": "NPU_FSDP_PATCHES_LOG="
+                                         "'chatty' is not valid"}, exit_code=2))
+    blocks = [block.splitlines() for block in config.split("\n\n")]
+    assert all(len(block) > 1 for block in blocks[1:-1]), blocks       # every heading has content
+    assert [block[0] for block in blocks[1:-1]] == ["Environment", "Configuration"]
+
+
+def test_doctor_without_torch_says_so(tmp_path):
+    """A real Python without torch: only the plugin's own dependencies on the path, site disabled (-S),
+    and doctor's probe children run with the same flag."""
+    import importlib.util
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("yaml", "_yaml", "packaging", "wrapt"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            source = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin)
+            (site / source.name).symlink_to(source)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT)]), "PATH": os.environ["PATH"]}
+    proc = subprocess.run([sys.executable, "-S", "-m", "npu_fsdp_patches", "doctor", "--json"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env)
+    report = json.loads(proc.stdout)
+    assert report["environment"]["torch"] is None and report["frameworks"]["torch"]["installed"] is False
+    assert any(w.startswith("torch is not installed in this Python") for w in report["warnings"]), report["warnings"]
+    assert proc.returncode == report["exit_code"] == 0     # documented: a warning, exit 0 (docs/cli.md)
+    text = subprocess.run([sys.executable, "-S", "-m", "npu_fsdp_patches", "doctor"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env).stdout
+    assert "  torch       not installed: no patch can apply in this Python" in text
+
+
+def test_doctor_import_shows_the_real_error_of_a_target_and_fails_a_forced_patch_left_pending(tmp_path):
+    site = install_fixture("core_demo", tmp_path)
+    (site / "demo_broken_dep.py").write_text("import a_missing_dependency_xyz\nthing = 1\n")
+    matrix = tmp_path / "broken.yaml"
+    matrix.write_text((site / "demo_matrix.yaml").read_text().replace(
+        'targets: ["not_installed_module_xyz:thing"]\n    gate:\n      - nowhere: {installed: true}',
+        'targets: ["demo_broken_dep:thing"]\n    gate:\n      - demo: {installed: true}'))
+    report = json.loads(cli(tmp_path, "doctor", "--json", "--import", NPU_FSDP_PATCHES_MATRIX=str(matrix)).stdout)
+    found = [w for w in report["warnings"] if w.startswith("import demo_broken_dep")]
+    assert found and found[0].startswith("import demo_broken_dep: ModuleNotFoundError: No module named "
+                                         "'a_missing_dependency_xyz' (at "), report["warnings"]
+    assert found[0].endswith("demo_broken_dep.py:1)")
+    # demo_absent forced on: its target module is not there, so it stays pending: an error, exit 1
+    proc = cli(tmp_path, "doctor", "--json", "--import", NPU_FSDP_PATCHES_ENABLE="demo_absent")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == report["exit_code"] == 1
+    assert [e for e in report["errors"] if e.startswith("demo_absent: forced on by NPU_FSDP_PATCHES_ENABLE but "
+                                                        "still pending")], report["errors"]
+    assert "import not_installed_module_xyz: not found" in report["warnings"]
+    proc = cli(tmp_path, "doctor", "--json", "--import")          # not forced: pending is no error
+    assert proc.returncode == 0, proc.stdout[-3000:]
