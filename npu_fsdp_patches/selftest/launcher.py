@@ -185,7 +185,10 @@ def launch(plan: Plan, on_check: Callable[[dict], None]) -> tuple:
                "--nproc-per-node", str(plan.nproc_per_node), "-m", "npu_fsdp_patches.selftest.rank", plan_path]
         # a pod's rendezvous variables are for a multi-node job, not for these local ranks
         env = {k: v for k, v in os.environ.items() if k not in POD_VARS}
-        env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ENV: plan.run_id})
+        # the run's own TMPDIR: what torchrun and the ranks put there goes with this folder
+        os.makedirs(os.path.join(tmp, "tmp"))
+        env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ENV: plan.run_id,
+                    "TMPDIR": os.path.join(tmp, "tmp")})
         timed_out, stopped, proc, alive, statuses = False, None, None, [], []
         with open(log_path, "w", encoding="utf-8") as log:
             try:

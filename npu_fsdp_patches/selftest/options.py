@@ -193,8 +193,8 @@ def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
     kind = job_kind()
     if kind == "pod" and args.nproc_per_node is None:
         raise OptionError(pod_error())
+    _check_numpy()   # first: torch without numpy warns at import
     torch = _import_torch()
-    _check_numpy()
     device = args.device or detect_device(torch)
     count = _device_count(torch, device)
     if device != "cpu" and count == 0:
