@@ -76,7 +76,7 @@ def test_every_applicable_check_passes_in_the_base_env(tmp_path):
         assert checks[name]["mismatches"] == 0 and checks[name]["elements"] > 0
         assert checks[name]["seconds"] > 0 and checks[name]["first_mismatch"] is None
     for name in FIXTURE_CHECKS:
-        assert checks[name]["status"] == "skipped" and "is not installed" in checks[name]["reason"]
+        assert checks[name]["status"] == "skipped" and "not installed" in checks[name]["reason"]
     assert [r["state"] for r in report["ranks"]] == ["finished", "finished"]
     assert "[PASS] foreach_adamw" in proc.stderr
     assert (report["patches_applied"], report["nothing_patched"]) == ([], True)
@@ -343,7 +343,13 @@ def test_a_broken_torch_npu_or_no_numpy_gets_one_line_and_exit_2(tmp_path, fixtu
         assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr[-4000:]
 
 
-def test_the_command_imports_no_torch_until_it_runs():
-    probe = ("import sys, npu_fsdp_patches.cli, npu_fsdp_patches.selftest, npu_fsdp_patches.selftest.checks\n"
-             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    assert run_python(probe).stdout.strip() == "[]"
+def test_the_command_imports_no_torch_until_it_runs_and_finds_its_checks():
+    probe = ("import json, sys, npu_fsdp_patches.cli, npu_fsdp_patches.selftest\n"
+             "from npu_fsdp_patches.selftest.checks import CHECKS\n"
+             "print(json.dumps([sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')), CHECKS]))")
+    loaded, checks = json.loads(run_python(probe).stdout)
+    assert loaded == []
+    # discovered from the check modules' NAME/ORDER/PATCH, in run order
+    assert list(checks) == BASE_CHECKS + FIXTURE_CHECKS
+    assert {name: patch for name, (_, patch) in checks.items() if patch} == {
+        "te_fused_adam": "te_fused_adam_dtensor", "hyper_skip_dispatch": "hp_skip_dispatch_adamw"}

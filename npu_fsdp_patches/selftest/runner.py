@@ -19,10 +19,10 @@ from .launcher import Stopped
 from .options import EXIT_BAD_OPTIONS, OptionError, Plan, job_env, resolve
 
 
-def _decisions() -> dict:
+def _records() -> dict:
     import npu_fsdp_patches  # pylint: disable=import-outside-toplevel
 
-    return {r["name"]: r["decision"] for r in npu_fsdp_patches.status()}
+    return {r["name"]: r for r in npu_fsdp_patches.status()}
 
 
 def _versions() -> dict:
@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     environment, 124 timed out, 128 + signal stopped by SIGTERM, SIGHUP or SIGINT)."""
     previous = _install_stop_handlers()
     try:
-        plan = resolve(args, _decisions())
+        plan = resolve(args, _records())
         versions = _versions()
         if plan.in_job:
             return _run_in_job(plan, versions, args.json)
