@@ -15,7 +15,7 @@ from typing import Optional
 
 from . import report
 from .checks import CHECKS
-from .launcher import Stopped
+from .launcher import STOP_SIGNALS, Stopped
 from .options import EXIT_BAD_OPTIONS, OptionError, Plan, job_env, resolve
 
 
@@ -40,10 +40,6 @@ def _versions() -> dict:
                   if info.get("version") and name not in ("torch", "torch_npu")}
     return {"python": sys.version.split()[0], "torch": torch.__version__, "torch_npu": version("torch_npu"),
             "npu_fsdp_patches": npu_fsdp_patches.__version__, "frameworks": frameworks}
-
-
-#: the signals that stop a run: it kills its ranks, removes its files and exits 128 + the signal
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
 
 
 def main(args: argparse.Namespace) -> int:
