@@ -152,6 +152,7 @@ def bit_mismatches(a, b) -> tuple[int, str]:
     NaN-safe (compares bit patterns); a DTensor is compared as its full tensor (a collective, so every
     rank must call this); a shape or dtype difference counts every element. ``(0, "")`` means equal.
     """
+    import torch
     from npu_fsdp_patches.selftest.checks.compare import Comparison, full
     a, b = full(a), full(b)
     cmp = Comparison()
@@ -162,6 +163,7 @@ def bit_mismatches(a, b) -> tuple[int, str]:
     if first["expected_bits"] is None:
         return cmp.mismatches, f"shape/dtype {first['expected']} vs {first['got']}"
     flat, size = 0, 1
-    for i, extent in reversed(list(zip(first["index"], a.shape))):
+    shape = torch.view_as_real(a).shape if a.is_complex() else a.shape   # the comparer's (real, imag) pairs
+    for i, extent in reversed(list(zip(first["index"], shape))):
         flat, size = flat + i * size, size * extent
     return cmp.mismatches, f"flat index {flat}: {first['expected']!r} vs {first['got']!r}"

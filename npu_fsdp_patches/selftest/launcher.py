@@ -8,6 +8,7 @@ descendants and every marked process are killed and the temporary files removed,
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -158,6 +159,22 @@ def rank_states(statuses: list, alive: list, timed_out: bool, log: str = "") -> 
     return out
 
 
+#: the signals that stop a run: it kills its ranks, removes its files and exits 128 + the signal
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold STOP_SIGNALS back while the run is being cleaned up (delivered when the block ends)."""
+    hold = getattr(signal, "pthread_sigmask", None)
+    previous = hold(signal.SIG_BLOCK, STOP_SIGNALS) if hold else None
+    try:
+        yield
+    finally:
+        if hold:
+            hold(signal.SIG_SETMASK, previous)
+
+
 class Stopped(Exception):
     """Raised by the signal handler the runner installs: stop the run, clean up, exit 128+signal."""
 
@@ -185,19 +202,24 @@ def launch(plan: Plan, on_check: Callable[[dict], None]) -> tuple:
                "--nproc-per-node", str(plan.nproc_per_node), "-m", "npu_fsdp_patches.selftest.rank", plan_path]
         # a pod's rendezvous variables are for a multi-node job, not for these local ranks
         env = {k: v for k, v in os.environ.items() if k not in POD_VARS}
-        env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ENV: plan.run_id})
+        # the run's own TMPDIR: what torchrun and the ranks put there goes with this folder
+        os.makedirs(os.path.join(tmp, "tmp"))
+        env.update({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), RUN_ENV: plan.run_id,
+                    "TMPDIR": os.path.join(tmp, "tmp")})
         timed_out, stopped, proc, alive, statuses = False, None, None, [], []
         with open(log_path, "w", encoding="utf-8") as log:
             try:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # pylint: disable=consider-using-with
-                                        start_new_session=True)
+                proc = subprocess.Popen(  # pylint: disable=consider-using-with  (_stop ends it)
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 timed_out, statuses = _watch(proc, plan, on_check)
                 alive = [bool(s) and _alive(s["pid"]) for s in statuses]
             except Stopped as exc:
                 stopped = exc
             finally:
-                _stop(proc, plan.run_id)
-                shutil.rmtree(os.path.join(plan.workdir, f"npu_fsdp_self_test_{plan.run_id}"), ignore_errors=True)
+                with _signals_held():   # a signal now is handled once everything is cleaned up
+                    _stop(proc, plan.run_id)
+                    shutil.rmtree(os.path.join(plan.workdir, f"npu_fsdp_self_test_{plan.run_id}"),
+                                  ignore_errors=True)
         statuses = _read_status(plan.status_dir, plan.nproc_per_node)
         with open(log_path, encoding="utf-8", errors="replace") as fh:
             log_tail = fh.read()[-6000:]

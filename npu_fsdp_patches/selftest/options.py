@@ -183,7 +183,7 @@ def detect_device(torch) -> str:
     return "cuda" if _device_count(torch, "cuda") else "cpu"
 
 
-def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
+def resolve(args: argparse.Namespace, records: dict) -> Plan:
     """The plan for these options; raises :class:`OptionError` for a device, backend or N that cannot run,
     or an environment the checks cannot run in (torch or numpy not importable, a pod without launcher)."""
     from .checks import why_not  # pylint: disable=import-outside-toplevel
@@ -193,8 +193,8 @@ def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
     kind = job_kind()
     if kind == "pod" and args.nproc_per_node is None:
         raise OptionError(pod_error())
+    _check_numpy()   # first: torch without numpy warns at import
     torch = _import_torch()
-    _check_numpy()
     device = args.device or detect_device(torch)
     count = _device_count(torch, device)
     if device != "cpu" and count == 0:
@@ -218,7 +218,7 @@ def resolve(args: argparse.Namespace, decisions: dict) -> Plan:
         raise OptionError(f"--nproc-per-node {nproc}: only {count} {device} device(s) visible on this node")
     if args.workdir and not os.path.isdir(args.workdir):
         raise OptionError(f"--workdir {args.workdir}: not an existing folder")
-    skipped = {name: why_not(name, decisions) for name in wanted}
+    skipped = {name: why_not(name, records) for name in wanted}
     return Plan(device=device, backend=backend, nproc_per_node=nproc, timeout=args.timeout,
                 checks=[n for n in wanted if skipped[n] is None],
                 skipped={n: why for n, why in skipped.items() if why is not None},

@@ -15,14 +15,14 @@ from typing import Optional
 
 from . import report
 from .checks import CHECKS
-from .launcher import Stopped
+from .launcher import STOP_SIGNALS, Stopped
 from .options import EXIT_BAD_OPTIONS, OptionError, Plan, job_env, resolve
 
 
-def _decisions() -> dict:
+def _records() -> dict:
     import npu_fsdp_patches  # pylint: disable=import-outside-toplevel
 
-    return {r["name"]: r["decision"] for r in npu_fsdp_patches.status()}
+    return {r["name"]: r for r in npu_fsdp_patches.status()}
 
 
 def _versions() -> dict:
@@ -42,16 +42,12 @@ def _versions() -> dict:
             "npu_fsdp_patches": npu_fsdp_patches.__version__, "frameworks": frameworks}
 
 
-#: the signals that stop a run: it kills its ranks, removes its files and exits 128 + the signal
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the self-test for parsed ``args``; returns the exit code (0 pass, 1 fail, 2 bad options or
     environment, 124 timed out, 128 + signal stopped by SIGTERM, SIGHUP or SIGINT)."""
     previous = _install_stop_handlers()
     try:
-        plan = resolve(args, _decisions())
+        plan = resolve(args, _records())
         versions = _versions()
         if plan.in_job:
             return _run_in_job(plan, versions, args.json)

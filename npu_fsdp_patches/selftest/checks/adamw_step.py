@@ -21,6 +21,7 @@ from .context import Context
 from .plant import planted
 
 NAME = "adamw_step"
+ORDER = 10
 SCHEMA_VERSION = 1
 STEPS = 50
 SHAPES = ((64, 33), (7,), (1,), (3, 5))

@@ -55,6 +55,8 @@ class Comparison:
             self.mismatches += max(expected.numel(), got.numel(), 1)
             self._note(what, [], f"{tuple(expected.shape)} {expected.dtype}", f"{tuple(got.shape)} {got.dtype}")
             return
+        if expected.is_complex():   # compared as (real, imag) pairs: the index gets a last dim of 2
+            expected, got = torch.view_as_real(expected), torch.view_as_real(got)
         self.elements += expected.numel()
         if expected.numel() == 0:
             return

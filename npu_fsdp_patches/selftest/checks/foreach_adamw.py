@@ -14,6 +14,7 @@ from .context import Context
 from .fsdp_model import set_dtensor_grads, sharded_copies
 
 NAME = "foreach_adamw"
+ORDER = 40
 STEPS = 50
 HYPER = {"lr": 1e-3, "weight_decay": 0.01}
 

@@ -19,6 +19,7 @@ from .compare import Comparison, full
 from .context import SHAPES, Context
 
 NAME = "fused_adam"
+ORDER = 20
 STEPS, RESUME_STEPS = 5, 2
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
 CONFIGS = {"fp32": (torch.float32, {}),

@@ -17,6 +17,7 @@ from .context import Context
 from .fsdp_model import set_dtensor_grads, sharded_copies
 
 NAME = "hyper_skip_dispatch"
+ORDER = 60
 PATCH = "hp_skip_dispatch_adamw"
 STEPS = 20
 HYPER = {"lr": 1e-3, "weight_decay": 0.01}

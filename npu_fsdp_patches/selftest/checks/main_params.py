@@ -22,6 +22,7 @@ from .compare import full
 from .context import Context
 
 NAME = "main_params"
+ORDER = 30
 VOCAB, DIM, BATCH_PER_RANK, SEQ = 11, 8, 2, 8
 SAVE_AFTER, STEPS = 2, 4
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}

@@ -15,6 +15,7 @@ from npu_fsdp_patches.optim import FusedAdam
 from .context import SHAPES, Context
 
 NAME = "te_fused_adam"
+ORDER = 50
 PATCH = "te_fused_adam_dtensor"
 STEPS = 5
 CONFIGS = {"fp32": (torch.float32, {}),
