@@ -87,3 +87,30 @@ def test_fp16_moments_do_not_round_trip_megatron_raw_state(launch):
     assert any(o["resume"]["mismatch"] for o in runs)
     print(f"TE {version} {world} ranks: fp16-moment resume max |diff| "
           f"{max(o['resume']['max_diff'] for o in runs):.3g}")
+
+
+def test_flipped_master_weights_take_any_remainder_value():
+    """TE's step calls initialize_state(p, store_param_remainders and bf16) after Megatron-Core set
+    master_weights False on the built optimizer (core_v0.18.0 optimizer/__init__.py:1087)."""
+    import torch
+
+    from npu_fsdp_patches.optim import FusedAdam
+    p = torch.nn.Parameter(torch.randn(4).bfloat16())
+    opt = FusedAdam([p], master_weights=True, store_param_remainders=True)
+    opt.master_weights = False
+    opt.initialize_state(p, True)
+    assert set(opt.state[p]) == {"exp_avg", "exp_avg_sq"}
+
+
+def test_grad_less_params_get_states_on_the_first_step():
+    """As TE's step (initialize_state before the grad check): Megatron-FSDP's dummy step relies on it."""
+    import torch
+
+    from npu_fsdp_patches.optim import FusedAdam
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    before = b.detach().clone()
+    a.grad = torch.randn(3)
+    opt = FusedAdam([a, b], lr=0.1, weight_decay=0.1)
+    opt.step()
+    assert set(opt.state[b]) == {"exp_avg", "exp_avg_sq"} and not opt.state[b]["exp_avg"].any()
+    assert torch.equal(b.detach(), before)

@@ -10,7 +10,8 @@
 # Measured (2 cores, shared): 10 wheels, 8.4 MB, ~117 s cold download (the TENPU stand-in's base
 # 2.15.0 and its site: 7 s of it); < 5 s with a warm cache; the TENPU overlay test: ~35 s;
 # the real-TE tests in the main suite: ~15 min on a loaded machine; the 4-rank Megatron-FSDP-shape
-# launches (tests/test_te_megatron_fsdp.py, TE 2.11 and 2.14): MEGATRON_FSDP_4 s.
+# launches (tests/test_te_megatron_fsdp.py, TE 2.11 and 2.14): 290 s at a load average of ~16
+# (107 s CPU); on 2 ranks in the main suite: 262 s (58 s CPU).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1

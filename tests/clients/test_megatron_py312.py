@@ -76,3 +76,23 @@ def test_megatron_fsdp_dtensor_case_fails_without_the_patch():
     site = _require_environment()
     for result in _run("fsdp_dtensor_main_weights", site, {"NPU_FSDP_PATCHES_DISABLE": "te_initialize_state_compat"}):
         assert "store_param_remainders" in result["error"]
+
+
+def test_megatron_fsdp_own_buffers_on_cpu_with_real_te():
+    """Megatron-FSDP's own classes (megatron-core 0.19.2) on gloo/CPU: what blocks them, and with the one
+    blocker of ParamAndGradBuffer bypassed, its DTensor main weights through TE's real FusedAdam."""
+    site = _require_environment()
+    results = _run("megatron_fsdp_on_cpu", site)
+    for r in results:
+        # MegatronFSDP.__init__ compares its device with torch.cuda.current_device() unconditionally
+        assert r["MegatronFSDP"]["where"].endswith("megatron_fsdp/megatron_fsdp.py:234"), r["MegatronFSDP"]
+        # make_fsdp_dtensor(run_check=True) -> validate_uneven_dtensor: torch.tensor(...).cuda()
+        assert r["ParamAndGradBuffer"]["where"].endswith("megatron_fsdp/uneven_dtensor.py:187"), r
+        seam = r["ParamAndGradBuffer, .cuda() a no-op"]
+        assert seam.get("built"), seam
+        assert all(kind == "DTensor" for _, kind, _ in seam["params"])
+        assert seam["max_err"] < 1e-6 and seam["none_grads_on_empty"], seam
+        assert seam["states"] == ["exp_avg", "exp_avg_sq"]          # master_weights flipped off
+        assert seam["patch_states"]["te_fused_adam_empty_scale"] == "applied"
+    numels = [r["ParamAndGradBuffer, .cuda() a no-op"]["local_numels"] for r in results]
+    assert 0 in sum(numels, []) and len({tuple(n) for n in numels}) > 1, numels   # uneven, empty shards

@@ -13,6 +13,11 @@ FusedAdam Megatron-FSDP's fp32 DTensor main weights and then sets ``master_weigh
 ``use_decoupled_grad = True`` on it (megatron-core 0.19.2 megatron/core/optimizer/__init__.py
 L1115-1128). That call needs Megatron-FSDP's CUDA buffers, so those two assignments are applied
 here to the factory's optimizer; ``init_state_fn`` and TE's step then run unchanged.
+
+``megatron_fsdp_on_cpu``: Megatron-FSDP's own ``MegatronFSDP`` and ``ParamAndGradBuffer`` with
+``device=cpu`` on gloo. The first stops at ``torch.cuda.current_device()`` (0.19.2 megatron_fsdp.py:234), the
+second only at ``validate_uneven_dtensor``'s ``.cuda()`` (uneven_dtensor.py:187); with ``Tensor.cuda`` a no-op
+for that build, its DTensor main weights and ``update_main_grads`` drive TE's real FusedAdam.
 """
 from __future__ import annotations
 
@@ -139,3 +144,94 @@ def fsdp_dtensor_main_weights(rank: int, world: int, te_site: str, steps: int = 
     result["max_diff"] = max(diffs)
     result["local_rows"] = [int(p.to_local().shape[0]) for p in params]
     return result
+
+
+def _failure(exc: BaseException) -> dict:
+    """The exception and the innermost megatron frame (file:line) it came from."""
+    import traceback
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/megatron/core/" in f.filename]
+    where = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else None
+    return {"error": f"{type(exc).__name__}: {exc}"[:400], "where": where}
+
+
+def megatron_fsdp_on_cpu(rank: int, world: int, te_site: str) -> dict:
+    """Megatron-FSDP's own classes on gloo/CPU with TE's real FusedAdam: how far each one gets.
+
+    ``MegatronFSDP`` (the module wrapper) and ``ParamAndGradBuffer`` (the buffers that make the optimizer's
+    DTensor main weights) are built with ``device=cpu`` on a ``(dp_shard, tp)`` mesh; where one builds, its
+    ``optimizer_named_parameters`` go to TE FusedAdam built and flipped as Megatron-Core does.
+    """
+    mco = _megatron_optimizer_module(te_site)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp as mf
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import utils
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.distributed_data_parallel_config import (
+        DistributedDataParallelConfig)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
+    index = utils.FSDPDistributedIndex(device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+    out = {}
+    buffer = lambda m: pgb.ParamAndGradBuffer(  # noqa: E731
+        DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
+                                      megatron_fsdp_use_decoupled_grad=True),
+        m, pgb.BucketingPolicy(data_parallel_sharding_strategy="optim_grads_params"), index,
+        device=torch.device("cpu"))
+    for name, build in (
+            ("MegatronFSDP", lambda m: mf.MegatronFSDP(m, dist_index=index, device=torch.device("cpu"))),
+            ("ParamAndGradBuffer", buffer), ("ParamAndGradBuffer, .cuda() a no-op", _no_cuda(buffer))):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        try:
+            built = build(model)
+        except Exception as exc:  # reported: what blocks Megatron-FSDP on CPU
+            out[name] = _failure(exc)
+            continue
+        params = getattr(built, "optimizer_named_parameters", None)
+        out[name] = {"built": True, "params": [(n, type(p).__name__, tuple(p.shape)) for n, p in params or []]}
+        if params:
+            out[name].update(_te_steps_on_buffer(built, mco, rank))
+    return out
+
+
+def _te_steps_on_buffer(buf, mco, rank: int, steps: int = 2) -> dict:
+    """TE FusedAdam over the buffer's DTensor main weights, built and flipped as Megatron-Core 0.18+ does
+    (optimizer/__init__.py:562-584, :1087-1089), fed by ``update_main_grads``; vs float64 AdamW per shard."""
+    params = [p for _, p in buf.optimizer_named_parameters]
+    opt = mco.Adam(params, lr=LR, weight_decay=WD, adam_w_mode=True, master_weights=True,
+                   use_decoupled_grad=True, master_weight_dtype=torch.float32, store_param_remainders=True,
+                   exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    opt.master_weights, opt.use_decoupled_grad = False, True
+    start = [p._local_tensor.detach().clone() for p in params]
+    gen = torch.Generator().manual_seed(11 + rank)
+    grads = [[] for _ in params]
+    for _ in range(steps):
+        for group in buf.parameter_groups:
+            if group.main_grad_buffer is not None:
+                data = group.main_grad_buffer.data
+                data.copy_(torch.randn(data.shape, generator=gen))
+        buf.update_main_grads()
+        for i, p in enumerate(params):
+            g = getattr(p, "decoupled_grad", None)
+            grads[i].append(None if g is None else g._local_tensor.detach().clone())
+        opt.step()
+    errs = [float((p._local_tensor.detach().double()
+                   - ref_adam(s, g, lr=LR, wd=WD, betas=(0.9, 0.999), eps=1e-8)[0]).abs().max())
+            for p, s, g in zip(params, start, grads) if s.numel()]
+    return {"local_numels": [p._local_tensor.numel() for p in params], "max_err": max(errs),
+            "none_grads_on_empty": all(all(x is None for x in g) for p, g in zip(params, grads)
+                                       if not p._local_tensor.numel()),
+            "states": sorted({k for p in params for k in opt.state[p]}), "patch_states": _patch_states()}
+
+
+def _patch_states() -> dict:
+    return {r["name"]: r["state"] for r in npu_fsdp_patches.status() if r["name"].startswith("te_")}
+
+
+def _no_cuda(build):
+    """``build`` with ``Tensor.cuda`` returning the tensor itself (a CPU seam for probing only)."""
+    def run(model):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return build(model)
+        finally:
+            torch.Tensor.cuda = saved
+    return run
