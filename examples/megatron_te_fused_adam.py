@@ -47,16 +47,24 @@ def megatron_te_optimizer(model: torch.nn.Module):
     return _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
 
 
+def batch(step: int, device: torch.device) -> tuple:
+    gen = torch.Generator().manual_seed(100 + 7 * step + dist.get_rank())
+    x = torch.randn(8, 16, generator=gen).to(device)
+    return x, x.sum(dim=1, keepdim=True) * 0.1
+
+
 def train(model, opt, steps: int, device: torch.device) -> float:
-    loss = torch.zeros((), device=device)
+    """Megatron's optimizer step returns (update_successful, grad_norm, num_zeros_in_grad)."""
+    losses = []
     for step in range(steps):
-        gen = torch.Generator().manual_seed(100 + 7 * step + dist.get_rank())
-        x = torch.randn(8, 16, generator=gen).to(device)
-        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True) * 0.1)
-        loss.backward()
-        opt.step()
+        x, y = batch(step, device)
+        losses.append(torch.nn.functional.mse_loss(model(x), y))
+        losses[-1].backward()
+        result = opt.step()
+        if isinstance(result, tuple) and not result[0]:
+            raise RuntimeError(f"Megatron's optimizer skipped step {step}")
         opt.zero_grad()
-    return loss.item()
+    return losses[-1].item()
 
 
 def main() -> None:

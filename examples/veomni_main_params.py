@@ -32,6 +32,10 @@ from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype,
 
 PATCH = "veomni_dcp_refuse_main_params"
 VOCAB, DIM, BATCH, SEQ = 11, 8, 4, 6
+# what a veomni config sets: bf16 params, fp32 gradient reduction (fp32 main grads), optimizer args
+MIXED_PRECISION = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+OPTIMIZER = {"lr": 1e-3, "weight_decay": 0.01}
+MUON = {"lr": 0.02, "ns_implementation": "std"}
 
 
 class TinyDecoder(nn.Module):
@@ -53,40 +57,44 @@ def build(optimizer_type: str, mesh, device):
     from veomni.optim import build_optimizer
     torch.manual_seed(1234)
     model = TinyDecoder().to(device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for sub in (model.q_proj, model.o_proj):
-        fully_shard(sub, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    apply_model_init_dtype(model, torch.bfloat16)
-    muon = {"lr": 0.02, "ns_implementation": "std"} if optimizer_type == "muon" else None
-    inner = build_optimizer(model, lr=1e-3, weight_decay=0.01, optimizer_type=optimizer_type,
-                            muon_kwargs=muon)
+    for module in (model.q_proj, model.o_proj, model):     # inner blocks first, the root last
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(**MIXED_PRECISION))
+    apply_model_init_dtype(model, MIXED_PRECISION["param_dtype"])
+    inner = build_optimizer(model, optimizer_type=optimizer_type,
+                            muon_kwargs=MUON if optimizer_type == "muon" else None, **OPTIMIZER)
     return model, MainParamsOptimizer(inner, model)
 
 
-def train(model, opt, steps: range, device) -> list:
+def rank_batch(step: int, device) -> tuple:
+    """This rank's rows of the step's global batch: (token ids, next-token targets)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(100 + step)
+    ids, targets = torch.randint(0, VOCAB, (2, BATCH * world, SEQ), generator=g).unbind(0)
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    return ids[rows].to(device), targets[rows].to(device)
+
+
+def train(model, opt, steps: range, device) -> list:
+    """The global mean loss of each step."""
     losses = []
     for step in steps:
-        g = torch.Generator().manual_seed(100 + step)
-        ids, targets = (torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=g)
-                        [rank * BATCH:(rank + 1) * BATCH].to(device) for _ in range(2))
+        ids, targets = rank_batch(step, device)
         loss = F.cross_entropy(model(ids).float(), targets.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
+        losses.append(loss.detach())
+    total = torch.stack(losses)
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).tolist()
 
 
 def veomni_checkpointer_save(model, opt, path: str) -> tuple:
     """veomni's DistributedCheckpointer.save handed the wrapper: (refused up front, what happened)."""
     from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer
     try:
-        DistributedCheckpointer.save(path, {"model": model, "optimizer": opt, "extra_state": {"global_step": 2}},
-                                     global_steps=2)
+        state = {"model": model, "optimizer": opt, "extra_state": {"global_step": 2}}
+        DistributedCheckpointer.save(path, state, global_steps=2)
     except TypeError as exc:
         if "cannot checkpoint the optimizer" in str(exc):     # the patch's refusal, before any write
             return True, f"refused ({str(exc).split(':')[0]})"
