@@ -20,7 +20,8 @@ python3 -m venv "$venv" \
   || { echo "40-veomni: install failed" >&2; exit 1; }
 echo "40-veomni: install took $((SECONDS - t0)) s"
 t1=$SECONDS
-NPU_FSDP_PATCHES_REQUIRE_VEOMNI=1 "$venv/bin/python" -m pytest tests/clients/test_veomni.py -q
+NPU_FSDP_PATCHES_REQUIRE_VEOMNI=1 "$venv/bin/python" -m pytest tests/clients/test_veomni.py \
+    tests/test_example_veomni_main_params.py -q
 rc=$?
 echo "40-veomni: tests took $((SECONDS - t1)) s"
 exit $rc
