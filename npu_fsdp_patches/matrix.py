@@ -5,9 +5,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
 from .errors import MatrixError
+from .versions import VersionBounds
 
 SCHEMA_VERSION = 1
 #: bounds that keep a hostile or broken matrix from hanging `import torch` (YAML alias bombs)
@@ -37,7 +36,7 @@ class Target(NamedTuple):
 class Condition(NamedTuple):
     framework: str
     installed: bool = True
-    version: SpecifierSet | None = None
+    version: VersionBounds | None = None   # a validated PEP 440 specifier (versions.py)
     flavor: str | None = None
     note: str | None = None          # what the patch does differently where this condition holds
 
@@ -204,8 +203,9 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
         raise r.fail(f"{kp}.installed", "expected true or false")
     version, text = None, r.string(raw, "version", kp)
     if text is not None:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
         try:
-            version = SpecifierSet(text)
+            version = VersionBounds(str(SpecifierSet(text)))
         except InvalidSpecifier:
             raise r.fail(f"{kp}.version", f"bad PEP 440 specifier {text!r}") from None
     return Condition(framework, installed, version, r.string(raw, "flavor", kp), r.string(raw, "note", kp))

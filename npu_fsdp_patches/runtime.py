@@ -14,7 +14,6 @@ every other patch has been armed or applied: no failure disables another patch, 
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -25,12 +24,12 @@ from .decide import decide, requested_by_apply
 from .detect import detect_all
 from .errors import ConfigError, MatrixError, PatchError
 from .matrix import Matrix, load_matrix
+from .plugin_log import log
 from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound, resolve
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .stale import modules_referencing
 
-log = logging.getLogger("npu_fsdp_patches")
 #: compute-then-commit rounds before a patch whose targets keep changing under it fails
 _ATTEMPTS = 3
 
@@ -65,11 +64,13 @@ def _same(claims: list, again: list) -> bool:
 def configure_logging(level: str | None) -> None:
     if level is None:
         return
-    log.setLevel(level.upper())
-    if not log.handlers:
+    import logging
+    logger = log.logger()
+    logger.setLevel(level.upper())
+    if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
+        logger.addHandler(handler)
 
 
 def _export_matrix_path(environ: Mapping[str, str], settings: Settings) -> None:
