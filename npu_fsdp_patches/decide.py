@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
-from packaging.version import InvalidVersion, Version
-
 from .detect import Detected
 from .matrix import Condition, PatchSpec
 from .settings import PREFIX, Settings
+from .versions import VersionBounds, release_of
 
 
 class Decision(NamedTuple):
@@ -47,16 +46,20 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
         return False, f"{display_name(fw)} version unknown ({fw.source})"
     try:
         release = gate_version(fw.version)
-    except InvalidVersion:
+    except ValueError:   # packaging's InvalidVersion
         return False, f"{display_name(fw)} version {fw.version!r} is not a PEP 440 version"
-    matches = cond.version.contains(release, prereleases=True)
+    if isinstance(cond.version, VersionBounds):
+        matches = cond.version.holds_for(release)
+    else:                # a packaging SpecifierSet built elsewhere
+        from packaging.version import Version
+        matches = cond.version.contains(Version(release), prereleases=True)
     verb = "matches" if matches else "does not match"
-    counted = f", counted as {release}," if str(release) != fw.version else ""
+    counted = f", counted as {release}," if release != public_version(fw.version) else ""   # a local label changes nothing
     text = f"{_describe(fw)}{counted} {verb} {cond.version}"
     return matches, f"{text}: {cond.note}" if matches and cond.note else text
 
 
-def gate_version(version: str) -> Version:
+def gate_version(version: str) -> str:
     """The version a gate bound is compared with: the release segment of ``version`` (and its epoch).
 
     Under PEP 440 ``<2.14`` excludes ``2.14.0.dev0``, and ``>=2.14`` excludes it too (a pre-release
@@ -64,11 +67,9 @@ def gate_version(version: str) -> Version:
     edge fell through both sides. The rule (docs/design.md#341-versions-at-gate-edges): ``X.devN``,
     ``XaN``/``XbN``/``XrcN``, ``X.postN`` and ``X+local`` all count as ``X``; a build that predates
     X's fix is caught by the stand-down probe of the patch on X's side, which checks the code itself.
-    Raises InvalidVersion for a string that is not PEP 440.
+    Raises ValueError (packaging's InvalidVersion) for a string that is not PEP 440.
     """
-    parsed = Version(version)
-    release = ".".join(map(str, parsed.release))
-    return Version(f"{parsed.epoch}!{release}" if parsed.epoch else release)
+    return release_of(version)
 
 
 def evaluate_gate(spec: PatchSpec, frameworks: Mapping[str, Detected]) -> tuple:

@@ -155,10 +155,11 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
     depth = len(spec.module.split(".")) if spec.module else 1
     source_root = module_dir.parents[depth - 1] if module_dir is not None else None
     dist_root = _dist_root(dist) if dist is not None else None
-    source_version = (read_version_file(source_root / spec.source_version_file)
-                      if source_root is not None and spec.source_version_file else None)
     outside = (dist is not None and module_dir is not None and dist_root is not None
                and not str(module_dir.resolve()).startswith(str(dist_root)))
+    source_version = (read_version_file(source_root / spec.source_version_file)   # a tree: parsed
+                      if source_root is not None and spec.source_version_file and (dist is None or outside)
+                      else None)
     shadowed = outside and source_version is not None and source_version != dist.version
     if dist is not None and not shadowed:
         name = dist.name

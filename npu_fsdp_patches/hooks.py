@@ -10,14 +10,13 @@ own errors; only ``PatchError``, which the runtime raises on purpose in strict m
 """
 from __future__ import annotations
 
-import logging
 import sys
 from types import ModuleType
 from typing import Callable
 
 from .errors import PatchError
+from .plugin_log import log
 
-log = logging.getLogger("npu_fsdp_patches")
 
 
 def is_placeholder(module: object) -> bool:

@@ -5,10 +5,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import Version
-
 from .errors import MatrixError
+from .versions import VersionBounds
 
 SCHEMA_VERSION = 1
 #: bounds that keep a hostile or broken matrix from hanging `import torch` (YAML alias bombs)
@@ -39,7 +37,7 @@ class Target(NamedTuple):
 class Condition(NamedTuple):
     framework: str
     installed: bool = True
-    version: SpecifierSet | None = None
+    version: VersionBounds | None = None   # a validated PEP 440 specifier (versions.py)
     flavor: str | None = None
     note: str | None = None          # what the patch does differently where this condition holds
 
@@ -218,8 +216,9 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
         raise r.fail(f"{kp}.installed", "expected true or false")
     version, text = None, r.string(raw, "version", kp)
     if text is not None:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
         try:
-            version = SpecifierSet(text)
+            version = VersionBounds(str(SpecifierSet(text)))
         except InvalidSpecifier:
             raise r.fail(f"{kp}.version", f"bad PEP 440 specifier {text!r}") from None
     return Condition(framework, installed, version, r.string(raw, "flavor", kp), r.string(raw, "note", kp))
@@ -242,14 +241,16 @@ def _defaults(r: _Reader, raw: Any, frameworks: Mapping) -> PatchDefaults:
                          _verified(r, raw.get("verified"), "defaults.verified", frameworks))
 
 
-def _both(default: SpecifierSet | None, own: SpecifierSet | None) -> SpecifierSet | None:
+def _both(default: VersionBounds | None, own: VersionBounds | None) -> VersionBounds | None:
     """The versions both sets allow; a default lower bound that one of ``own`` already implies is
     left out, so a gate reads ``>=2.7``, not ``>=2.6,>=2.7``."""
     if default is None or own is None:
         return own if default is None else default
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
     floors = [Version(s.version) for s in own if s.operator in (">=", ">")]
     kept = [s for s in default if not (s.operator == ">=" and any(f >= Version(s.version) for f in floors))]
-    return SpecifierSet(",".join(str(s) for s in (*own, *kept)))
+    return VersionBounds(str(SpecifierSet(",".join(str(s) for s in (*own, *kept)))))
 
 
 def _with_defaults(r: _Reader, alternative: tuple, defaults: tuple, kp: str) -> tuple:

@@ -16,9 +16,8 @@ import os
 import sys
 from typing import Callable
 
-from packaging.specifiers import SpecifierSet
-
 from . import matrix
+from .versions import VersionBounds
 
 FORMAT = 1
 #: the NamedTuples of a Matrix, by name; an unknown type makes the matrix uncacheable (parsed each time)
@@ -31,8 +30,10 @@ class _Uncacheable(Exception):
 
 
 def _encode(value):
-    """Plain marshal-able data; NamedTuples and SpecifierSets are tagged so they come back as such."""
-    if isinstance(value, SpecifierSet):
+    """Plain marshal-able data; NamedTuples and version specifiers are tagged so they come back as such."""
+    if isinstance(value, VersionBounds):
+        return ("VersionBounds", value.text)
+    if type(value).__name__ == "SpecifierSet" and type(value).__module__ == "packaging.specifiers":
         return ("SpecifierSet", str(value))
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         if _TYPES.get(type(value).__name__) is not type(value):
@@ -53,7 +54,10 @@ def _decode(item):
     kind, value = item
     if kind == "value":
         return value
+    if kind == "VersionBounds":
+        return VersionBounds(value)
     if kind == "SpecifierSet":
+        from packaging.specifiers import SpecifierSet
         return SpecifierSet(value)
     if kind == "tuple":
         return tuple(_decode(v) for v in value)

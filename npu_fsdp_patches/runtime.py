@@ -14,24 +14,23 @@ every other patch has been armed or applied: no failure disables another patch, 
 """
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 from typing import Iterable, Mapping
 
-from . import hooks, loader, verify
+from . import hooks, late_detection, loader, verify
 from .decide import decide, requested_by_apply
 from .detect import detect_all
 from .errors import ConfigError, MatrixError, PatchError
 from .matrix import Matrix, load_matrix
+from .plugin_log import log
 from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound, resolve
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .stale import modules_referencing
 from .summary import ActivationSummary
 
-log = logging.getLogger("npu_fsdp_patches")
 #: compute-then-commit rounds before a patch whose targets keep changing under it fails
 _ATTEMPTS = 3
 
@@ -66,11 +65,13 @@ def _same(claims: list, again: list) -> bool:
 def configure_logging(level: str | None) -> None:
     if level is None:
         return
-    log.setLevel(level.upper())
-    if not log.handlers:
+    import logging
+    logger = log.logger()
+    logger.setLevel(level.upper())
+    if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
+        logger.addHandler(handler)
 
 
 def _export_matrix_path(environ: Mapping[str, str], settings: Settings) -> None:
@@ -182,50 +183,34 @@ class Runtime:
         return True
 
     def _watch_missing(self) -> None:
-        """Watch the module of each gated framework not found now: a launcher or notebook may put it on
-        sys.path after activation (under autoload, at ``import torch``)."""
-        gated = {c.framework for spec in self.matrix.patches.values() for alt in spec.gate for c in alt}
-        for name in sorted(gated):
-            module = self.matrix.frameworks[name].module
-            if module and not self.frameworks[name].installed:
-                self._watched.setdefault(module, []).append(name)
-                hooks.when_looked_up(module, self._framework_looked_up)
+        """Watch the module of each gated framework not found now (late_detection.py)."""
+        self._watched = late_detection.watched_modules(self.matrix, self.frameworks)
+        for module in self._watched:
+            hooks.when_looked_up(module, self._framework_looked_up)
 
-    def _framework_looked_up(self, top: str) -> bool:
-        """An import looks for a watched framework module: detect its frameworks again and decide again
-        every disabled patch whose gate names one found now (docs/design.md#33-detection). True when
-        none of them is left to watch."""
+    def _framework_looked_up(self, module: str) -> bool:
+        """An import looks for a watched framework module: detect its frameworks again, decide again the
+        patches they gate and arm those enabled now. True when none of them is left to watch."""
         with self._lock:
-            names = self._watched.get(top, [])
-            found = detect_all(self.matrix.frameworks[n] for n in names)
-            appeared = [n for n in names if found[n].installed]
-            self._watched[top] = [n for n in names if n not in appeared]
-            todo = []
-            for name in appeared:
-                before, after = self.frameworks[name], found[name]
-                after = after._replace(note="; ".join(filter(None, (
-                    f"found after activation, when {top} was first looked up", after.note))))
+            names = self._watched.get(module, [])
+            found = late_detection.detect_again(self.matrix, names, module)
+            self._watched[module] = [n for n in names if n not in found]
+            enabled: list = []
+            for name, after in found.items():
+                self.late_detections.append({"framework": name, "module": module, "enabled": enabled,
+                                             "before": self.frameworks[name].as_dict(), "after": after.as_dict()})
                 self.frameworks[name] = after
-                self.late_detections.append({"framework": name, "module": top, "before": before.as_dict(),
-                                             "after": after.as_dict(), "enabled": todo})
-            for name, record in self.records.items() if appeared else ():
-                spec = self.matrix.patches[name]
-                if record.state != State.DISABLED or not {c.framework for a in spec.gate for c in a} & set(appeared):
-                    continue
-                record.decision = decide(spec, self.frameworks, self.settings)
-                record.note = f"decided again after activation: {', '.join(appeared)} found when {top} was imported"
-                if record.decision.enabled and name in self._implementations:
-                    record.state = State.PENDING
-                    todo.append(name)
-            if appeared:
-                log.info("%s found after activation (%s imported); decided again, enabled now: %s", ", ".join(appeared), top,
-                         ", ".join(todo) or "none")
-        failures = [f for name in todo for f in self._arm(name)]   # patch code: no lock
+            if found:
+                enabled += late_detection.decide_again(self.matrix, self.records, self.frameworks, self.settings,
+                                                       self._implementations, list(found), module)
+                log.info("%s found after activation (%s imported); enabled now: %s", ", ".join(found), module,
+                         ", ".join(enabled) or "none")
+        failures = [f for name in enabled for f in self._arm(name)]   # patch code: no lock
         with self._lock:
-            self._scan_stale(todo)
+            self._scan_stale(enabled)
         if failures:
             raise failures[0]
-        return not self._watched[top]
+        return not self._watched[module]
 
     def ensure_prepared(self) -> None:
         with self._lock:

@@ -84,7 +84,7 @@ def parse_settings(environ: Mapping[str, str]) -> Settings:
     log = environ.get(f"{PREFIX}_LOG", "").strip().lower() or None
     if log is not None and log not in LOG_LEVELS:
         raise ConfigError(f"{PREFIX}_LOG={environ[f'{PREFIX}_LOG']!r} is not valid; accepted values: "
-                          f"a Python level name: {', '.join(LOG_LEVELS)} (any case)")
+                          f"{', '.join(LOG_LEVELS)} (Python level names, any case)")
     matrix = environ.get(f"{PREFIX}_MATRIX", "").strip() or None
     if matrix is not None:   # a spawned worker may start in another directory (os.chdir)
         matrix = os.path.abspath(os.path.expanduser(matrix))

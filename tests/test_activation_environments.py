@@ -76,3 +76,19 @@ def test_the_plugin_imported_from_a_zip_reads_its_shipped_matrix(tmp_path):
     assert out["file"].startswith(str(archive))
     assert out["error"] is None
     assert set(out["patches"]) >= {"te_fused_adam_dtensor", "hp_fp32_main_params"}
+
+
+def test_configuration_warnings_at_activation_and_standard_log_level_names():
+    from tests.support import run_python
+    code = ("import npu_fsdp_patches; from npu_fsdp_patches.runtime import RUNTIME; "
+            "print(RUNTIME.config_error, len(npu_fsdp_patches.status()))")
+    proc = run_python(code, env={"NPU_FSDP_PATCHES_LOG": "error", "NPU_FSDP_PATCHES_DISABLED": "x",
+                                 "NPU_FSDP_PATCHES_DISABLE": "te_fused_adam_dtensr"})
+    error, count = proc.stdout.split()
+    assert error == "None" and int(count) > 0
+    assert "WARNING" not in proc.stderr            # the level asked for: error
+    proc = run_python(code, env={"NPU_FSDP_PATCHES_LOG": "WARNING", "NPU_FSDP_PATCHES_DISABLED": "x",
+                                 "NPU_FSDP_PATCHES_DISABLE": "te_fused_adam_dtensr"})
+    assert ("NPU_FSDP_PATCHES_DISABLED is not a variable of npu_fsdp_patches and is ignored; did you mean "
+            "NPU_FSDP_PATCHES_DISABLE?") in proc.stderr
+    assert "te_fused_adam_dtensr (did you mean te_fused_adam_dtensor?)" in proc.stderr

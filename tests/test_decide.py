@@ -169,3 +169,34 @@ def test_the_split_gates_named_in_the_issue_land_on_one_side():
         "hyper-parallel 0.1.0 installed; torch 2.9.0a0+git5f3a1b2, counted as 2.9.0, matches >=2.9")
     assert on("hp_skip_dispatch_adamw", shipped(torch="2.7.0a0", hp="0.1.0")).enabled
     assert on("hp_skip_dispatch_adamw", shipped(torch="2.6.0rc1", hp="0.1.0")).enabled
+
+
+VERSIONS = ["2.14.0", "2.14", "2.14.0.dev0+g1234abc", "2.13.9rc2", "2.9.0a0+git5f3a1b2", "2.8.0.post2",
+            "2.13.0+cpu", "1!2.0", "2.14.0-rc1", "v2.14.0", "0.18.0rc1", "2.14.0.post1.dev3", "2.6"]
+BOUNDS_TEXT = [">=2.14", "<2.14", ">=2.10,<2.14", "==2.14", "!=2.14.0", ">2.13", "<=2.13.9", "~=2.13",
+               "==2.*", ">=2.6,<2.7", ">=0.11"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_release_rule_without_packaging_agrees_with_packaging(version):
+    """versions.py decides canonical versions and release-only bounds without packaging; every answer
+    equals packaging's on the release segment."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from npu_fsdp_patches.versions import VersionBounds, release_of
+    parsed = Version(version)
+    expected = ".".join(map(str, parsed.release))
+    expected = f"{parsed.epoch}!{expected}" if parsed.epoch else expected
+    assert release_of(version) == expected
+    for text in BOUNDS_TEXT:
+        bounds = VersionBounds(str(SpecifierSet(text)))
+        assert bounds.holds_for(release_of(version)) == SpecifierSet(text).contains(
+            Version(expected), prereleases=True), (version, text)
+        assert bounds == SpecifierSet(text) and str(bounds) == str(SpecifierSet(text))
+
+
+def test_a_version_that_is_not_pep440_is_named_as_such():
+    d = decide(MATRIX.patches["shim"], frameworks(te=fw("te", "2.11.0"), mc=fw("mc", "core_r0.12.1")),
+               parse_settings({}))
+    assert d.reason == "megatron-core version 'core_r0.12.1' is not a PEP 440 version"

@@ -32,7 +32,8 @@ def test_valid_settings(env, expected):
     ({f"{P}_STRICT": "yes please"}, f"{P}_STRICT='yes please' is not valid"),
     ({f"{P}_ENABLE": "*"}, f"{P}_ENABLE='*' is not valid; accepted values: a comma-separated list"),
     ({f"{P}_DISABLE": "a;b"}, f"{P}_DISABLE='a;b' is not valid (a;b)"),
-    ({f"{P}_LOG": "trace"}, f"{P}_LOG='trace' is not valid; accepted values: a Python level name: debug, info, warning, warn, error, critical"),
+    ({f"{P}_LOG": "trace"}, f"{P}_LOG='trace' is not valid; accepted values: debug, info, warning, warn, error, critical, fatal, notset "
+                            "(Python level names, any case)"),
     ({f"{P}_DISABLE": "a", f"{P}_ENABLE": "a"}, "both name a"),
 ])
 def test_invalid_settings_name_the_variable(env, message):
