@@ -134,6 +134,16 @@ def unpatched(fn: Any) -> Any:
     return fn
 
 
+def _defined_elsewhere(original: Any, module: str, qualname: str) -> bool:
+    """A class attribute target whose original is named after another class (inherited from a base, e.g.
+    TENPU's FusedAdam over NVTE's): its replacement is named after the target instead, so that pickling
+    by reference finds it where it is installed. Module-level ``from x import f`` copies keep the
+    original's name: the same replacement is installed there."""
+    function = getattr(original, "__func__", original)
+    return "." in qualname and (getattr(function, "__module__", module),
+                                getattr(function, "__qualname__", qualname)) != (module, qualname)
+
+
 class Patch:
     """Subclass, set ``name`` and ``factories``; optionally add the probe method the matrix names."""
 
@@ -155,12 +165,18 @@ class Patch:
             raise ValueError(f"{self.name}: no replacement declared for {symbol}")
         if not (callable(original) or isinstance(original, _DESCRIPTORS)):
             raise ValueError(f"{self.name}: {symbol} is {type(original).__name__}, not a callable to wrap")
+        module, _, qualname = symbol.partition(":")
+        inherited = _defined_elsewhere(original, module, qualname)
+        key = (id(factory), id(original), symbol if inherited else None)
         built = self.__dict__.setdefault("_built", {})   # one replacement per (factory, original)
-        kept = built.get((id(factory), id(original)))
+        kept = built.get(key)
         if kept is not None and kept[0] is original:
             return kept[1]
         replacement = mark(factory(original), original, self.name)
+        if inherited:   # pickle looks a function up by its own names: give the place it is installed at
+            function = getattr(replacement, "__func__", replacement)
+            function.__module__, function.__qualname__ = module, qualname
         from .frames import skip_frames   # pylint: disable=C0415
         skip_frames(replacement, getattr(getattr(factory, "func", factory), "__globals__", None))
-        built[(id(factory), id(original))] = (original, replacement)
+        built[key] = (original, replacement)
         return replacement

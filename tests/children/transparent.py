@@ -56,6 +56,8 @@ def surface(targets: list) -> dict:
             "ours": is_marked(func) or is_marked(raw),
             "wraps_original": getattr(func, "__wrapped__", None) is unpatched(func) is not func,
         }
+    import npu_fsdp_patches
+    out["applied"] = sorted(s for r in npu_fsdp_patches.status() for s in r["applied_targets"])
     return out
 
 
