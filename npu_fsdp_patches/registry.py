@@ -69,12 +69,22 @@ def _wraps(value: Any, replacement: Any) -> bool:
 
 
 def _above(value: Any, replacement: Any) -> list:
-    """The foreign layers stacked on ``replacement``, outermost first (empty when it is ``value``)."""
+    """The foreign layers stacked on ``replacement``, outermost first (empty when it is ``value``).
+
+    torch's own step-profiling wrapper (``Optimizer.profile_hook_step``, which ``Optimizer.__init__``
+    puts around an un-hooked ``cls.step``) does not count: torch puts it around the restored original too.
+    """
     chain = _chain(value)
     for index, layer in enumerate(chain):
         if layer is replacement:
-            return chain[:index]
+            return [above for above in chain[:index] if not _torch_step_hook(above)]
     return []
+
+
+def _torch_step_hook(layer: Any) -> bool:
+    code = getattr(layer, "__code__", None)
+    return (getattr(layer, "hooked", False) is True and code is not None
+            and code.co_filename.replace("\\", "/").endswith("torch/optim/optimizer.py"))
 
 
 def describe(obj: Any) -> str:

@@ -59,6 +59,9 @@ def stacked_case() -> dict:
                      "note": record["note"], "refused": refused, "kept": A.adam is foreign,
                      "state_after": _record()["state"]}
         A.adam = ours                     # the profiler removes itself
+    import torch
+    A.adam = torch.optim.Optimizer.profile_hook_step(ours)   # torch's own step hook: it re-hooks the original
+    A.adam.hooked = True
     out["revert_after"] = [_revert(), _record()["state"], hasattr(A.adam, "__npu_fsdp_patch__")]
     return out
 
