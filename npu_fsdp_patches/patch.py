@@ -11,6 +11,15 @@ qualified name) -> ``factory(original) -> replacement``. The core checks the mat
 declarations when it arms the patch (:mod:`npu_fsdp_patches.verify`), before any target is imported,
 and marks every replacement the one way (:func:`mark`), so :func:`unpatched` finds the original.
 
+Replacements are transparent (docs/design.md#31-activation): a factory returns a plain function, and
+:func:`looks_like` gives it the original's name, qualified name, module, docstring and ``__wrapped__``
+(``functools.update_wrapper`` without copying ``__dict__``), so ``inspect.signature`` shows the
+original's parameters. A plain function, rather than a ``wrapt.FunctionWrapper`` proxy, pickles by
+reference natively and is inlined by torch.compile; one replacement is built per original (all
+``from x import f`` copies that the matrix lists hold the same object, which is what pickle finds
+at the original's qualified name), and its frame is kept out of torch.compile's frame-level tracing
+(:mod:`npu_fsdp_patches.frames`), so a compiled step breaks its graph exactly where the unpatched one does.
+
 A target is ``"module.path:Qualified.name"``; a trailing ``?`` marks it optional (absent in some
 framework generations). Patches are found through the entry-point group ``npu_fsdp_patches.patches``
 (entry-point name = patch name = matrix key).
@@ -22,6 +31,9 @@ from typing import Any, Callable, ClassVar, Mapping
 #: the marker attributes every replacement built by :meth:`Patch.replacement` carries
 PATCH_MARK = "__npu_fsdp_patch__"
 ORIGINAL_MARK = "__npu_fsdp_original__"
+#: ``id()`` of the marked object itself: ``functools.wraps`` copies ``__dict__``, so a foreign wrapper
+#: around a replacement carries copies of the marks, and only this tells the copy from the replacement
+SELF_MARK = "__npu_fsdp_self__"
 _METADATA = ("__module__", "__name__", "__qualname__", "__doc__")
 _DESCRIPTORS = (classmethod, staticmethod)
 
@@ -32,14 +44,44 @@ def target_attribute(symbol: str) -> str:
 
 
 def looks_like(replacement: Any, original: Any) -> Any:
-    """Copy the original's name, qualified name, module and docstring onto ``replacement``."""
-    for attr in _METADATA:
+    """Make ``replacement`` show the original's surface: name, qualified name, module, docstring and
+    ``__wrapped__``, and so (through ``__wrapped__``) its signature and annotations.
+
+    A replacement that declares its own parameters, and they differ from the original's (a patch that
+    changes the API on purpose, e.g. a new default), shows its own signature: it gets ``__signature__``,
+    which ``inspect.signature`` reads before following ``__wrapped__``.
+    """
+    declared = _declared_signature(replacement, original)
+    for attr in _METADATA + (() if declared is not None else ("__annotations__",)):
         if hasattr(original, attr):
             try:
                 setattr(replacement, attr, getattr(original, attr))
             except (AttributeError, TypeError):
                 pass
+    try:
+        if declared is not None:
+            replacement.__signature__ = declared
+        replacement.__wrapped__ = original
+    except (AttributeError, TypeError):
+        pass
     return replacement
+
+
+def _declared_signature(replacement: Any, original: Any) -> Any:
+    """``replacement``'s own signature when it names parameters that differ from ``original``'s; None
+    when it passes ``*args, **kwargs`` through or matches (then the original's signature is the truth)."""
+    import inspect   # deferred: the plugin's import stays light
+
+    try:
+        own = inspect.signature(replacement, follow_wrapped=False)
+        theirs = inspect.signature(original)
+    except (TypeError, ValueError):
+        return None
+    kinds = {p.kind for p in own.parameters.values()}
+    if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+        return None
+    shape = lambda signature: [(p.name, p.kind, repr(p.default)) for p in signature.parameters.values()]  # noqa: E731
+    return None if shape(own) == shape(theirs) else own
 
 
 def mark(replacement: Any, original: Any, patch: str) -> Any:
@@ -61,17 +103,45 @@ def mark(replacement: Any, original: Any, patch: str) -> Any:
     looks_like(replacement, original)
     setattr(replacement, ORIGINAL_MARK, original)
     setattr(replacement, PATCH_MARK, patch)
+    setattr(replacement, SELF_MARK, id(replacement))
     return replacement
 
 
+def is_marked(fn: Any) -> bool:
+    """``fn`` itself is a replacement :func:`mark` marked (not a wrapper that copied its marks)."""
+    try:
+        return getattr(fn, SELF_MARK, None) == id(fn) and hasattr(fn, ORIGINAL_MARK)
+    except Exception:  # noqa: BLE001 - an odd proxy object is simply not ours
+        return False
+
+
 def unpatched(fn: Any) -> Any:
-    """The original behind ``fn`` when ``fn`` is a marked replacement (follows our marker only)."""
+    """The original behind ``fn`` when ``fn`` is a marked replacement (follows our marker only).
+
+    Modules that read a patch target's signature or attributes use this: a foreign wrapper stacked on
+    a replacement is returned as is, never skipped.
+    """
     for _ in range(16):
-        original = getattr(fn, ORIGINAL_MARK, None)
-        if original is None or original is fn:
+        if isinstance(fn, _DESCRIPTORS) and is_marked(fn.__func__):
+            fn = getattr(fn, ORIGINAL_MARK, None) or fn.__func__
+            continue
+        if not is_marked(fn):
+            return fn
+        original = getattr(fn, ORIGINAL_MARK)
+        if original is fn:
             return fn
         fn = original
     return fn
+
+
+def _defined_elsewhere(original: Any, module: str, qualname: str) -> bool:
+    """A class attribute target whose original is named after another class (inherited from a base, e.g.
+    TENPU's FusedAdam over NVTE's): its replacement is named after the target instead, so that pickling
+    by reference finds it where it is installed. Module-level ``from x import f`` copies keep the
+    original's name: the same replacement is installed there."""
+    function = getattr(original, "__func__", original)
+    return "." in qualname and (getattr(function, "__module__", module),
+                                getattr(function, "__qualname__", qualname)) != (module, qualname)
 
 
 class Patch:
@@ -95,4 +165,18 @@ class Patch:
             raise ValueError(f"{self.name}: no replacement declared for {symbol}")
         if not (callable(original) or isinstance(original, _DESCRIPTORS)):
             raise ValueError(f"{self.name}: {symbol} is {type(original).__name__}, not a callable to wrap")
-        return mark(factory(original), original, self.name)
+        module, _, qualname = symbol.partition(":")
+        inherited = _defined_elsewhere(original, module, qualname)
+        key = (id(factory), id(original), symbol if inherited else None)
+        built = self.__dict__.setdefault("_built", {})   # one replacement per (factory, original)
+        kept = built.get(key)
+        if kept is not None and kept[0] is original:
+            return kept[1]
+        replacement = mark(factory(original), original, self.name)
+        if inherited:   # pickle looks a function up by its own names: give the place it is installed at
+            function = getattr(replacement, "__func__", replacement)
+            function.__module__, function.__qualname__ = module, qualname
+        from .frames import skip_frames   # pylint: disable=C0415
+        skip_frames(replacement, getattr(getattr(factory, "func", factory), "__globals__", None))
+        built[key] = (original, replacement)
+        return replacement

@@ -51,16 +51,58 @@ def resolve(target: Target) -> Resolved:
     return Resolved(target, owner, attr, getattr(owner, attr), True)
 
 
-def _wraps(value: Any, replacement: Any, depth: int = 8) -> bool:
-    """``value`` is ``replacement``, or a functools.wraps wrapper around it (torch's optimizer step
-    profiling wrapper is installed on the class the first time an optimizer is built)."""
-    for _ in range(depth):
-        if value is replacement:
-            return True
-        value = getattr(value, "__wrapped__", None)
-        if value is None:
-            return False
-    return False
+def _chain(value: Any, depth: int = 16) -> list:
+    """``value`` and what it wraps, outermost first, following ``__wrapped__`` (functools and wrapt)."""
+    chain = []
+    while value is not None and len(chain) < depth and not any(v is value for v in chain):
+        chain.append(value)
+        try:
+            value = getattr(value, "__wrapped__", None)
+        except Exception:  # noqa: BLE001 - an odd proxy ends the chain
+            value = None
+    return chain
+
+
+def _wraps(value: Any, replacement: Any) -> bool:
+    """``value`` is ``replacement``, or a wrapper (functools.wraps, wrapt) stacked on top of it."""
+    return any(v is replacement for v in _chain(value))
+
+
+def _above(value: Any, replacement: Any) -> list:
+    """The foreign layers stacked on ``replacement``, outermost first (empty when it is ``value``).
+
+    torch's own step-profiling wrapper (``Optimizer.profile_hook_step``, which ``Optimizer.__init__``
+    puts around an un-hooked ``cls.step``) does not count: torch puts it around the restored original too.
+    """
+    chain = _chain(value)
+    for index, layer in enumerate(chain):
+        if layer is replacement:
+            return [above for above in chain[:index] if not _torch_step_hook(above)]
+    return []
+
+
+def _torch_step_hook(layer: Any) -> bool:
+    code = getattr(layer, "__code__", None)
+    return (getattr(layer, "hooked", False) is True and code is not None
+            and code.co_filename.replace("\\", "/").endswith("torch/optim/optimizer.py"))
+
+
+def describe(obj: Any) -> str:
+    """Where ``obj`` was really defined, as ``module.qualname``.
+
+    A wrapper copies the name, qualified name and module of what it wraps (functools.wraps, wrapt), so
+    those say nothing about who installed it: read the code object and the globals it was defined in.
+    """
+    wrapper = getattr(obj, "_self_wrapper", None)   # a wrapt FunctionWrapper: name the wrapper function
+    if wrapper is not None:
+        return f"wrapt {type(obj).__name__} calling {describe(wrapper)}"
+    fn = getattr(obj, "__func__", obj)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        module = getattr(fn, "__globals__", {}).get("__name__", "?")
+        return f"{module}.{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{code.co_firstlineno})"
+    cls = type(obj)
+    return f"a {cls.__module__}.{cls.__qualname__} object"
 
 
 def _current(resolved: Resolved) -> Any:
@@ -91,13 +133,18 @@ class Registry:
         self._saved[resolved.target.symbol] = Saved(patch, resolved, replacement)
 
     def restore(self, symbol: str) -> str | None:
-        """Put the original back; return an error text when someone replaced our object since."""
+        """Put the original back; return an error text when someone replaced our object since.
+
+        A foreign wrapper stacked on ours is never dropped: :meth:`stacked_on` lets the caller refuse first.
+        """
         entry = self._saved.get(symbol)
         if entry is None or not entry.installed:
             return None
         resolved = entry.resolved
         if not _wraps(_current(resolved), entry.replacement):
             return f"{symbol} was replaced by someone else after apply; left alone"
+        if _above(_current(resolved), entry.replacement):
+            raise RuntimeError(self.stacked_on(symbol))
         if resolved.had_own:
             setattr(resolved.owner, resolved.attr, resolved.original)
         else:
@@ -106,6 +153,38 @@ class Registry:
         if not any(e.installed and e.replacement is entry.replacement for e in self._saved.values()):
             rebind_module_refs(entry.replacement, resolved.original)
         return None
+
+    def stacked_on(self, symbol: str) -> str | None:
+        """Why reverting ``symbol`` would drop a foreign wrapper stacked on our replacement, if one is.
+
+        Python cannot rewire a wrapper to call something else (a functools.wraps closure or a wrapt
+        proxy holds its own reference), so revert refuses and leaves ours applied beneath it.
+        """
+        entry = self._saved.get(symbol)
+        if entry is None or not entry.installed:
+            return None
+        layers = _above(_current(entry.resolved), entry.replacement)
+        if not layers:
+            return None
+        named = " over ".join(describe(layer) for layer in layers)
+        return (f"{symbol} is wrapped by {named}, stacked on our replacement after apply; reverting would "
+                f"silently remove that wrapper, so ours stays applied (remove the wrapper first, then revert)")
+
+    def replaced_by(self, symbol: str) -> str:
+        """What now sits at ``symbol`` instead of our replacement, and whether it wraps ours."""
+        entry = self._saved[symbol]
+        try:
+            now = _current(resolve(entry.resolved.target))
+        except (TargetNotFound, ImportError):
+            return "nothing (the attribute is gone)"
+        chain = _chain(now)
+        if any(v is entry.replacement for v in chain):
+            relation = "which wraps ours"
+        elif any(v is entry.resolved.original for v in chain):
+            relation = "which does not wrap ours: it wraps the original, so our replacement no longer runs"
+        else:
+            relation = "which does not wrap ours"
+        return f"{describe(now)}, {relation}"
 
     def underlying(self, value: Any) -> Any:
         """The original behind ``value`` when ``value`` is one of our installed replacements.

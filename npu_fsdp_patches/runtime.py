@@ -513,15 +513,24 @@ class Runtime:
             names = list(names) or [n for n in self.records if self.registry.installed_for(n)
                                     or self.records[n].state == State.PENDING]
             self._check_known(names)
+            refused = []
             for name in names:
                 record = self.records[name]
                 installed = self.registry.installed_for(name)
                 if not installed and record.state != State.PENDING:
                     continue   # never applied: nothing to restore, the state stays true
+                stacked = [why for s in installed if (why := self.registry.stacked_on(s))]
+                if stacked:    # a foreign wrapper on ours: keep ours applied beneath it, say who
+                    record.note = f"revert refused: {'; '.join(stacked)}"
+                    refused.append(f"patch {name} not reverted: {'; '.join(stacked)}")
+                    log.warning("%s", refused[-1])
+                    continue
                 errors = [e for s in installed if (e := self.registry.restore(s))]
                 record.state, record.applied_targets, record.stale_refs = State.REVERTED, [], {}
                 record.error = "; ".join(errors) or None
                 log.info("patch %s reverted%s", name, f" ({record.error})" if record.error else "")
+            if refused:
+                raise PatchError("; ".join(refused), patch=names[0] if len(names) == 1 else None)
             return [self.records[n].as_dict() for n in names]
 
     def _check_known(self, names: list) -> None:
@@ -540,14 +549,17 @@ class Runtime:
             if how == "module gone":
                 self._module_discarded(symbol.split(":")[0])
             elif how == "replaced":
-                lost[symbol] = how
+                lost[symbol] = self.registry.replaced_by(symbol)
+            elif self.registry.stacked_on(symbol):   # live beneath a foreign wrapper: say whose
+                record.note = self.registry.stacked_on(symbol)
         if lost:
             for symbol in lost:
                 self.registry.forget(symbol)
                 record.applied_targets.remove(symbol)
             record.state = State.FAILED
+            now = "; ".join(f"{symbol} now holds {what}" for symbol, what in lost.items())
             record.error = (f"no longer installed at {', '.join(lost)} (module reloaded or attribute replaced "
-                            f"after apply); npu_fsdp_patches.apply({record.name!r}) applies it again")
+                            f"after apply: {now}); npu_fsdp_patches.apply({record.name!r}) applies it again")
             log.warning("patch %s: %s", record.name, record.error)
 
     def snapshot(self) -> list:

@@ -128,8 +128,10 @@ def _hooked_step(original):
     """
     import torch
     inner = original.__wrapped__ if getattr(original, "hooked", False) else original
-    hooked = torch.optim.Optimizer.profile_hook_step(looks_like(_step(inner), inner))
+    step = looks_like(_step(inner), inner)
+    hooked = torch.optim.Optimizer.profile_hook_step(step)
     hooked.hooked = True
+    hooked._npu_fsdp_inner = step   # our frame inside torch's wrapper (npu_fsdp_patches.frames)
     return hooked
 
 

@@ -128,19 +128,36 @@ emit(patched=patched, restored=demo_target.late.greet("x"),
     assert result == {"patched": "hello x!", "restored": "hello x", "same": True}
 
 
-def test_revert_sees_through_wraps_wrappers_and_leaves_foreign_replacements(tmp_path):
+def test_revert_refuses_to_drop_a_wraps_wrapper_and_leaves_foreign_replacements(tmp_path):
+    """A functools.wraps wrapper stacked on ours is never silently dropped: revert refuses, naming it,
+    and ours stays applied beneath it; once the wrapper is gone, revert restores the original."""
     result, _ = run_demo(tmp_path, """
 import functools, npu_fsdp_patches, demo_target
 patched_run = vars(demo_target.Engine)["run"]
-demo_target.Engine.run = functools.wraps(patched_run)(lambda self, x: patched_run(self, x))  # like torch's step hook
+demo_target.Engine.run = functools.wraps(patched_run)(lambda self, x: patched_run(self, x))  # a profiler
 foreign = lambda name: "foreign"
 demo_target.greet = foreign
+try:
+    npu_fsdp_patches.revert("demo_shout")
+    refused = None
+except npu_fsdp_patches.PatchError as exc:
+    refused = str(exc)
+r = records()["demo_shout"]   # greet was overwritten: failed, naming it; Engine.run is still ours
+kept = [r["state"], r["applied_targets"], demo_target.Engine().run(1), r["note"], r["error"]]
+demo_target.Engine.run = patched_run                                  # the profiler removes itself
 records_after = npu_fsdp_patches.revert("demo_shout")
-emit(run=demo_target.Engine().run(1), greet_is_foreign=demo_target.greet is foreign,
-     error=records_after[0]["error"])
+emit(refused=refused, kept=kept, run=demo_target.Engine().run(1), greet_is_foreign=demo_target.greet is foreign,
+     error=records_after[0]["error"], state=records_after[0]["state"])
 """)
+    assert result["refused"].startswith("patch demo_shout not reverted: demo_target:Engine.run is wrapped by "
+                                        "__main__.<lambda> (<string>:"), result["refused"]
+    assert "ours stays applied" in result["refused"]
+    state, applied, run, note, error = result["kept"]
+    assert [state, applied, run] == ["failed", ["demo_target:Engine.run"], 20]
+    assert note.startswith("demo_target:Engine.run is wrapped by __main__.<lambda>"), note
+    assert "demo_target:greet now holds __main__.<lambda> (<string>:" in error, error
     assert result["run"] == 2 and result["greet_is_foreign"] is True
-    assert result["error"] == "demo_target:greet was replaced by someone else after apply; left alone"
+    assert result["state"] == "reverted" and result["error"] is None   # greet was already reported lost
 
 
 def test_states_are_an_enum_reported_as_their_plain_names():

@@ -31,6 +31,7 @@ from torch.optim.optimizer import (
     _get_value,
 )
 
+from ..patch import unpatched
 from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensors
 
 __all__ = ["foreach_adamw_step", "adam_on_local_shards", "torch_dtensor_implementation"]
@@ -41,8 +42,10 @@ _NOT_REPRODUCIBLE = {
     "differentiable": "torch's foreach kernels do not support autograd",
 }
 
-#: torch >= 2.7 folds AdamW into ``adam(decoupled_weight_decay=...)``; torch 2.6 has no such argument
-_ADAM_HAS_DECOUPLED_WEIGHT_DECAY = "decoupled_weight_decay" in inspect.signature(torch_adam.adam).parameters
+#: torch >= 2.7 folds AdamW into ``adam(decoupled_weight_decay=...)``; torch 2.6 has no such argument. Read
+#: from torch's own function, never from a replacement installed there (hp_skip_dispatch_adamw may be
+#: applied before this import; a foreign wrapper without ``__wrapped__`` would hide the parameter)
+_ADAM_HAS_DECOUPLED_WEIGHT_DECAY = "decoupled_weight_decay" in inspect.signature(unpatched(torch_adam.adam)).parameters
 
 
 def foreach_adamw_step(optimizer: torch.optim.Optimizer,
