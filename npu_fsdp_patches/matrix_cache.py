@@ -22,7 +22,8 @@ from .versions import VersionBounds
 FORMAT = 1
 #: the NamedTuples of a Matrix, by name; an unknown type makes the matrix uncacheable (parsed each time)
 _TYPES = {cls.__name__: cls for cls in (matrix.Target, matrix.Condition, matrix.FlavorRule,
-                                        matrix.FrameworkSpec, matrix.PatchSpec, matrix.Matrix)}
+                                        matrix.FrameworkSpec, matrix.PatchSpec, matrix.PatchDefaults,
+                                        matrix.Matrix)}
 
 
 class _Uncacheable(Exception):

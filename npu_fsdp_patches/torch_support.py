@@ -8,16 +8,16 @@ Reads detection results only: torch is never imported here.
 """
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .decide import public_version
 from .detect import Detected
 from .errors import MatrixError
 from .matrix import Matrix, load_matrix
+from .versions import VersionBounds, release_of
 
 
-def supported_torch(matrix: Matrix) -> SpecifierSet | None:
+def supported_torch(matrix: Matrix) -> VersionBounds | None:
     """The torch floor every patch of ``matrix`` gates on (its ``defaults.gate``), None without one."""
     condition = matrix.defaults.condition("torch")
     return condition.version if condition is not None else None
@@ -40,11 +40,11 @@ def torch_findings(torch: Detected | None, matrix: Matrix | None) -> list:
             return []
     supported = supported_torch(matrix)
     try:
-        version = Version(torch.version)
+        release = release_of(torch.version)   # the gates' rule: 2.6.0a0 counts as 2.6.0
     except InvalidVersion:
         return [f"torch version {torch.version!r} is not a PEP 440 version: cannot check it against "
                 f"the supported torch {supported or 'of the matrix'}"]
-    if supported is not None and not supported.contains(version, prereleases=True):
+    if supported is not None and not supported.holds_for(release):
         return [f"torch {torch.version} is unsupported: npu_fsdp_patches needs torch {supported} "
                 f"(compat_matrix.yaml defaults; FSDP2's fully_shard is public from torch 2.6); no patch applies"]
     verified = verified_torch(matrix)
