@@ -283,10 +283,15 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
                      + environment_warnings(env) + import_errors + code_warnings),
         "self_test": None,
     }
+    report["warnings"] += list(settings.warnings)
     if RUNTIME.matrix is not None:
-        unknown = settings.unknown_names(set(RUNTIME.matrix.patches))
+        unknown = settings.unknown_names_message(set(RUNTIME.matrix.patches))
         if unknown:
-            report["warnings"].append(f"{PREFIX}_DISABLE/ENABLE name unknown patch(es) {', '.join(unknown)}")
+            report["warnings"].append(unknown)
+    report["late_detections"] = [dict(found) for found in RUNTIME.late_detections]
+    report["warnings"] += [f"{found['framework']} was found after activation, when {found['module']} was "
+                           f"first imported; decided then: {', '.join(found['enabled']) or 'no patch enabled'}"
+                           for found in RUNTIME.late_detections]
     report["warnings"] = list(dict.fromkeys(report["warnings"]))
     if self_test:
         report["self_test"] = (_self_test() if env["device_error"] is None else

@@ -68,6 +68,8 @@ def _frameworks(frameworks: dict) -> list:
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
         head = f"  {name:<19} {(fw['version'] or 'unknown version') + extra:<24} {fw['source']:<9} "
         lines.append(head + _path(fw["location"], WIDTH - len(head)))
+        if fw.get("source_id"):   # versions such as MindSpeed's do not tell its branches apart
+            lines += _row(f"  {'':<19} ", f"source tree: {fw['source_id']}")
     return lines
 
 
@@ -124,7 +126,7 @@ def doctor_text(report: dict) -> str:
 
 
 def self_test_lines(result: dict) -> list:
-    """Schema of npu_fsdp_patches.optim.self_test.run_self_test (or {"passed": False, "error": ...})."""
+    """Schema of npu_fsdp_patches.selftest.checks.adamw_step.run_self_test (or {"passed": False, "error": ...})."""
     if result.get("error"):
         return [f"FAILED: {result['error']}"]
     out = [f"{result.get('device')}, {result.get('steps')} AdamW steps vs {result.get('reference')}: "

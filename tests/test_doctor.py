@@ -24,13 +24,22 @@ def test_doctor_json_healthy_schema_and_exit_0(tmp_path):
     report = json.loads(proc.stdout)
     assert (report["schema"], report["schema_version"], report["exit_code"]) == ("npu-fsdp-patches/doctor", 1, 0)
     assert set(report) == {"schema", "schema_version", "plugin", "environment", "frameworks", "patches",
-                           "errors", "warnings", "self_test", "exit_code"}
+                           "errors", "warnings", "self_test", "exit_code", "late_detections"}
     assert report["errors"] == []
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"].startswith("2.")
     assert report["frameworks"]["demo"]["version"] == "1.2.0"
     shout = next(p for p in report["patches"] if p["name"] == "demo_shout")
     assert (shout["decision"], shout["state"], shout["verified"]) == ("enabled", "pending", True)
     assert shout["reason"] == "demo-framework 1.2.0 matches >=1.0"
+
+
+def test_doctor_names_misspelled_variables_and_suggests_patch_names(tmp_path):
+    proc = cli(tmp_path, "doctor", "--json", NPU_FSDP_PATCHES_DISABLED="demo_shout",
+               NPU_FSDP_PATCHES_DISABLE="demo_shuot")
+    warnings = json.loads(proc.stdout)["warnings"]
+    assert any("NPU_FSDP_PATCHES_DISABLED" in w and "did you mean NPU_FSDP_PATCHES_DISABLE?" in w
+               for w in warnings), warnings
+    assert any("demo_shuot (did you mean demo_shout?)" in w and "known patches:" in w for w in warnings), warnings
 
 
 def test_doctor_import_applies_and_reports_failures_with_exit_1(tmp_path):

@@ -5,7 +5,7 @@
 # (.ci/older-torch-wheels.sh: the CUDA build, run on CPU with CUDA_VISIBLE_DEVICES="", and the pinned test
 # deps of .ci/older-torch-constraints.txt), install them offline into .ci/venvs/torch-<v>, run pytest,
 # delete the venv and the wheels (about 5 GB + 3 GB). Tests needing what a torch lacks skip with the
-# reason (pytest -rs); the product's error there is tested. Measured figures: the README's Tests section.
+# reason (pytest -rs); the product's error there is tested. Measured figures: docs/ci.md.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . .ci/older-torch.env || exit 1

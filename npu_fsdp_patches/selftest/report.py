@@ -1,6 +1,6 @@
 """Merge per-rank check results, and render the self-test report as text or JSON.
 
-JSON schema ``npu-fsdp-patches/self-test`` version 1 (README, "Self-test on your own devices")::
+JSON schema ``npu-fsdp-patches/self-test`` version 1 (docs/self_test.md)::
 
     {"schema": "npu-fsdp-patches/self-test", "schema_version": 1, "mode": "launched" | "in_job",
      "device": "npu", "backend": "hccl", "world_size": 8, "nproc_per_node": 8,
