@@ -58,7 +58,7 @@ wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its 
     done
     [ "$(cat "$rc_file")" = 0 ] && return 0
     echo "60-older-torch: downloading torch $1's wheels failed (pip rc $(cat "$rc_file"), 124: timed out);" \
-         "see $OLDER_TORCH_WHEELS/download.log" >&2
+         "see $OLDER_TORCH_WHEELS/torch-$1.log and download.log" >&2
     return 1
 }
 
