@@ -35,7 +35,8 @@ LEAN=(
 FULL=(
     "${LEAN[@]}" tests/test_foreach_adamw_self_test.py tests/test_fused_adam_multirank.py
     tests/test_main_params_example.py tests/test_example_fsdp2_fused_adam.py
-    tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py tests/test_megatron_initialize_state.py
+    tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
+    tests/test_megatron_initialize_state.py
 )
 
 alive() {  # alive PID: running (an exited child of .ci/run stays a zombie until .ci/run reaps it)
