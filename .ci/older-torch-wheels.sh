@@ -7,8 +7,8 @@
 # installed straight into .ci/venvs/torch-<v> by one pip call that ignores that configuration
 # (PIP_CONFIG_FILE=/dev/null; also its local wheel folder and extra indexes): the only such call.
 # Versions are fetched one after another, pip's output in torch-<v>.log; each ends by writing torch-<v>.rc
-# with pip's exit code (124: pip ran past its 25-minute timeout), so the step never waits on a download
-# that cannot finish.
+# with pip's exit code (124: pip ran past its timeout, 25 minutes for a download, 40 for the above-cap
+# install, which downloads and installs), so the step never waits on a download that cannot finish.
 # SIGTERM (sent by .ci/run when it exits) stops the download in progress.
 # Usage: bash .ci/older-torch-wheels.sh [VERSION...]   (default: $OLDER_TORCH_VERSIONS of .ci/older-torch.env)
 set -uo pipefail
@@ -32,7 +32,7 @@ for version in ${*:-$OLDER_TORCH_VERSIONS}; do
     if [[ " $ABOVE_PIP_CAP_TORCH " == *" $version "* ]]; then
         dest=.ci/venvs/torch-$version
         rm -rf "$dest" && python3 -m venv "$dest"
-        PIP_CONFIG_FILE=/dev/null timeout 1500 "$dest/bin/pip" install -q -c .ci/older-torch-constraints.txt \
+        PIP_CONFIG_FILE=/dev/null timeout 2400 "$dest/bin/pip" install -q -c .ci/older-torch-constraints.txt \
             "torch==$version" -e '.[test]' > "$log" 2>&1 &
     else
         # The previous version's wheels, hard-linked in first: pip download skips a file already in $dest,
