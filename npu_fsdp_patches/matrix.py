@@ -237,8 +237,8 @@ def _defaults(r: _Reader, raw: Any, frameworks: Mapping) -> PatchDefaults:
     raw = r.mapping(raw, "defaults")
     r.keys(raw, _DEFAULTS_KEYS, "defaults")
     gate = r.mapping(raw.get("gate"), "defaults.gate", "a mapping of framework: condition")
-    return PatchDefaults(tuple(_condition(r, fw, cond, f"defaults.gate.{fw}", frameworks) for fw, cond in gate.items()),
-                         _verified(r, raw.get("verified"), "defaults.verified", frameworks))
+    conditions = tuple(_condition(r, fw, cond, f"defaults.gate.{fw}", frameworks) for fw, cond in gate.items())
+    return PatchDefaults(conditions, _verified(r, raw.get("verified"), "defaults.verified", frameworks))
 
 
 def _both(default: VersionBounds | None, own: VersionBounds | None) -> VersionBounds | None:

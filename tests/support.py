@@ -31,7 +31,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 #: the torch releases the shipped matrix verifies, from their one home, compat_matrix.yaml's
 #: defaults.verified (CI runs each: .ci/older-torch.env reads the same list); read as plain YAML so
 #: that collecting tests does not import, and so activate, npu_fsdp_patches
-VERIFIED_TORCH = list(yaml.safe_load((REPO_ROOT / "compat_matrix.yaml").read_text())["defaults"]["verified"]["torch"])
+VERIFIED_TORCH = list(yaml.safe_load((REPO_ROOT / "compat_matrix.yaml").read_text())
+                      ["defaults"]["verified"]["torch"])
 
 
 def install_fixture(name: str, dest: Path) -> Path:

@@ -33,10 +33,10 @@ def test_the_installed_torch_is_verified_and_doctor_is_quiet_about_it():
 
 
 def test_doctor_warns_when_the_torch_metadata_says_an_unverified_version(tmp_path):
-    info = tmp_path / "torch-2.8.0.dist-info"   # first on sys.path: metadata says 2.8.0
+    info = tmp_path / "torch-2.9.0.dist-info"   # first on sys.path: metadata says 2.9.0 (2.9.1 is verified)
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.8.0\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
     version, warnings = doctor_torch_and_warnings(paths=[tmp_path])
-    assert version == "2.8.0"
-    assert ("torch 2.8.0 is not a verified torch version (the suite runs on torch "
+    assert version == "2.9.0"
+    assert ("torch 2.9.0 is not a verified torch version (the suite runs on torch "
             + ", ".join(VERIFIED) + ")") in warnings

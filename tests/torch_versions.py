@@ -1,4 +1,5 @@
-"""What the installed torch offers, for tests that run on every verified torch (2.6.0 ... 2.13.0).
+"""What the installed torch offers, for tests that run on every verified torch (2.6.0 ... 2.15.0:
+compat_matrix.yaml defaults.verified).
 
 A test that needs a feature some torch lacks is skipped with a reason naming the torch version; the
 product behaviour on that torch (a clear error) is tested separately, never skipped.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12, by hand (not part of .ci/run): the WHOLE suite on each older verified torch (.ci/older-torch.env:
-# every verified torch of compat_matrix.yaml but 2.13.0). CI's .ci/steps/60-older-torch.sh runs only the torch-sensitive files there; this
-# script is the full check behind it. Per version: download the registry's wheels
+# every verified torch of compat_matrix.yaml but 2.13.0). CI's .ci/steps/60-older-torch.sh runs only the
+# torch-sensitive files there; this script is the full check behind it. Per version: download the registry's wheels
 # (.ci/older-torch-wheels.sh: the CUDA build, run on CPU with CUDA_VISIBLE_DEVICES="", and the pinned test
 # deps of .ci/older-torch-constraints.txt), install them offline into .ci/venvs/torch-<v>, run pytest,
 # delete the venv and the wheels (about 5 GB + 3 GB). Tests needing what a torch lacks skip with the

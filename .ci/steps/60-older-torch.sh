@@ -32,10 +32,25 @@ LEAN=(
     tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py
     "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
 )
+# LEAN leaves out what does not depend on the torch release: the stand-down probes, the veomni capture
+# order, the TENPU overlay's file check, the auto_models trainer path, the unverified-metadata doctor case
+# and two of the four autoload launches (each ran on 2.8.0 within the full files).
+LEAN_DESELECT=(
+    tests/test_hp_skip_dispatch_patch.py::test_stands_down_when_hyper_registers_its_dtensor
+    tests/test_hp_skip_dispatch_patch.py::test_veomni_wrap_optimizer_captured_before_apply
+    tests/test_hp_fp32_main_params_patch.py::test_stands_down_when_upstream_wrapper_exists
+    tests/test_hp_fp32_main_params_patch.py::test_patch_covers_the_older_auto_models_trainer_path
+    tests/test_te_fused_adam_patch.py::test_tenpu_stand_in_is_nvte_2_15_under_the_documented_overlay
+    tests/test_te_fused_adam_patch.py::test_stands_down_when_the_installed_class_handles_dtensor
+    tests/test_torch_gate_doctor.py::test_doctor_warns_when_the_torch_metadata_says_an_unverified_version
+    tests/test_autoload.py::test_torch_autoload_kill_switch_is_respected
+    tests/test_autoload.py::test_autoload_never_breaks_import_torch_even_when_strict
+)
 FULL=(
     "${LEAN[@]}" tests/test_foreach_adamw_self_test.py tests/test_fused_adam_multirank.py
     tests/test_main_params_example.py tests/test_example_fsdp2_fused_adam.py
-    tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py tests/test_megatron_initialize_state.py
+    tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
+    tests/test_megatron_initialize_state.py
 )
 
 alive() {  # alive PID: running (an exited child of .ci/run stays a zombie until .ci/run reaps it)
@@ -58,7 +73,7 @@ wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its 
     done
     [ "$(cat "$rc_file")" = 0 ] && return 0
     echo "60-older-torch: downloading torch $1's wheels failed (pip rc $(cat "$rc_file"), 124: timed out);" \
-         "see $OLDER_TORCH_WHEELS/download.log" >&2
+         "see $OLDER_TORCH_WHEELS/torch-$1.log and download.log" >&2
     return 1
 }
 
@@ -90,7 +105,7 @@ for i in "${!versions[@]}"; do
     rc=$?
     if [ $((i + 1)) -lt "${#versions[@]}" ]; then install "${versions[$((i + 1))]}" & pending=$!; fi
     if [ "$rc" -eq 0 ]; then
-        t1=$SECONDS list=LEAN tests=("${LEAN[@]}")
+        t1=$SECONDS list=LEAN tests=("${LEAN[@]}" "${LEAN_DESELECT[@]/#/--deselect=}")
         if [[ " $FULL_LIST_TORCH " == *" $version "* ]]; then list=FULL tests=("${FULL[@]}"); fi
         "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "${tests[@]}"
         rc=$?
