@@ -26,7 +26,7 @@ TESTS=(
     tests/test_main_params_optimizer_contract.py tests/test_main_params_example.py
     tests/test_example_fsdp2_fused_adam.py tests/test_example_fsdp2_vs_foreach_adamw.py
     tests/test_hp_skip_dispatch_patch.py tests/test_hp_fp32_main_params_patch.py
-    tests/test_te_fused_adam_patch.py tests/test_te_cpu_kernels.py tests/test_veomni_dcp_refusal_patch.py
+    tests/test_te_fused_adam_patch.py tests/test_te_cpu_kernels.py tests/test_main_params_veomni_checkpointer.py
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.10.0]"
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
     tests/test_megatron_initialize_state.py tests/test_autoload.py tests/test_torch_gate.py
