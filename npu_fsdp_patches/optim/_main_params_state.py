@@ -118,9 +118,10 @@ def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:
         dst_local.copy_(src_local)
 
 
-def local_versions(mains: Iterator[torch.Tensor]) -> dict[int, int]:
-    """``{id(main): version counter of its local shard}``: an in-place load (DCP) bumps it."""
-    return {id(m): local_tensor(m)._version for m in mains}
+def local_versions(pairs: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> dict[int, tuple[int, int]]:
+    """``{id(main): (version of the main's local shard, version of the model param's)}``: an
+    in-place write (a DCP load, a step) bumps a tensor's version counter."""
+    return {id(main): (local_tensor(main)._version, local_tensor(model)._version) for model, main in pairs}
 
 
 def drop_main_params(optim_state_dict: dict) -> dict:

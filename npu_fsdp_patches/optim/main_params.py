@@ -351,7 +351,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
-        self._saved_versions = local_versions(main for _, main in self._low_precision_pairs())
+        self._saved_versions = local_versions(self._low_precision_pairs())
         return native_state_dict(self.leaf_optimizers, self.model_param)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -390,14 +390,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 f"cannot be recovered", UserWarning, stacklevel=4)
 
     def _is_stale(self, main: nn.Parameter, value: Any, model: nn.Parameter) -> bool:
-        """``value`` is the live main param, unchanged since :meth:`state_dict` handed it out, and
-        it no longer matches the (since loaded) model param: a load left it out (DCP with
-        ``allow_partial_load``, a plain optimizer's checkpoint), so it must come from the model."""
+        """``value`` is the live main param, left unwritten since :meth:`state_dict` handed it out,
+        while the model param was written (loaded) and no longer rounds from it: a load left the
+        main param out (DCP with ``allow_partial_load`` and a plain optimizer's checkpoint), so it
+        must come from the model. Version counters keep the usual round trips compare-free."""
         if not isinstance(value, torch.Tensor) or local_tensor(value) is not local_tensor(main):
             return False
-        version = self._saved_versions.get(id(main))
-        if version is not None and version != local_tensor(main)._version:
-            return False   # written in place since state_dict(): loaded by DCP
+        versions = self._saved_versions.get(id(main))
+        if versions is not None:
+            main_written = versions[0] != local_tensor(main)._version
+            model_written = versions[1] != local_tensor(model)._version
+            if main_written or not model_written:
+                return False   # loaded in place (DCP), or nothing was loaded into either
         model_local = local_tensor(model)
         return not torch.equal(local_tensor(main).to(model_local.dtype), model_local)
 
