@@ -233,6 +233,28 @@ def test_plain_state_dict_rebuilds_main_params_with_warning():
     assert all(torch.equal(p.main_param, p.float()) for p in model2.parameters())
 
 
+def test_flattened_plain_state_into_the_wrapper_rebuilds_main_params_with_warning():
+    """A plain optimizer's flattened state (no state.<fqn>.main_param keys): torch's unflattening
+    asks the wrapper's state for its keys and hands back {} for main_param, which means absent."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    torch.manual_seed(0)
+    plain_model = Net().to(torch.bfloat16)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    backward(plain_model)
+    plain.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    flat = get_optimizer_state_dict(plain_model, plain, options=options)
+    wrapped_model = Net().to(torch.bfloat16)
+    wrapped_model.load_state_dict(plain_model.state_dict())
+    opt = MainParamsOptimizer(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3), wrapped_model)
+    with pytest.warns(UserWarning, match="fp32 tails"):
+        set_optimizer_state_dict(wrapped_model, opt, flat, options=options)
+    assert all(torch.equal(p.main_param, p.float()) for p in wrapped_model.parameters())
+    assert torch.equal(opt.state[wrapped_model.body.weight]["exp_avg"],
+                       plain.state[plain_model.body.weight]["exp_avg"].float())
+
+
 def test_legacy_layout_loads_with_its_main_params():
     """The earlier layout (FQN-keyed state + _mixed_precision_optimizer section) still loads."""
     model, opt = _trained()

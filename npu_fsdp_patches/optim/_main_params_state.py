@@ -96,6 +96,8 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 continue
             param_state = dict(saved_state[key])
             saved_main = param_state.pop(MAIN_PARAM, None)
+            if isinstance(saved_main, dict) and not saved_main:
+                saved_main = None   # torch's unflattening rebuilds a key the flat dict lacks as {}
             if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
                 saved_mains[model_of(main)] = saved_main
             state[index] = param_state
