@@ -274,8 +274,10 @@ def test_legacy_layout_loads_with_its_main_params():
 def test_a_main_param_left_unloaded_is_rebuilt_from_the_loaded_model():
     """DCP with allow_partial_load leaves a template's main param as it was: the live main param
     still holding the fresh values. Loading must not keep it over the loaded model."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
     model, opt = _trained()
-    model2, opt2 = _trained(seed=1, steps=1)   # has state, as DCP's template after torch primes it
+    model2, _, opt2 = make(seed=1)    # a fresh build, as a resuming job has
+    _init_optim_state(opt2)           # torch's priming step (lr=0), as get_state_dict runs it
     sd2 = opt2.state_dict()           # template: the live main params of opt2
     for i, s in opt.state_dict()["state"].items():   # "load" everything but main params
         for k, v in s.items():
@@ -418,3 +420,16 @@ def test_apply_model_init_dtype_rejects_other_dtypes():
         apply_model_init_dtype(Net(), torch.float64)
     with pytest.raises(ValueError, match="model_init_dtype"):
         apply_model_init_dtype(Net(), "int8")
+
+
+def test_model_loaded_after_wrapping_is_not_overwritten_by_torchs_priming_step():
+    """Load the model, then set_optimizer_state_dict on a fresh wrapper: torch's priming step must
+    not copy the main params (still those of the initial model) over the loaded model."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    loaded, _ = _trained(seed=1)
+    model, _, opt = make()
+    model.load_state_dict(loaded.state_dict())
+    _init_optim_state(opt)                    # what get/set_optimizer_state_dict run first
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(p.main_param, p.float()), name

@@ -12,7 +12,7 @@ Checkpoints of the earlier layout (state keyed by FQN, main params in a separate
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -118,12 +118,6 @@ def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:
                          f"set_optimizer_state_dict or DCP, which reshard")
     with torch.no_grad():
         dst_local.copy_(src_local)
-
-
-def local_versions(pairs: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> dict[int, tuple[int, int]]:
-    """``{id(main): (version of the main's local shard, version of the model param's)}``: an
-    in-place write (a DCP load, a step) bumps a tensor's version counter."""
-    return {id(main): (local_tensor(main)._version, local_tensor(model)._version) for model, main in pairs}
 
 
 def drop_main_params(optim_state_dict: dict) -> dict:
