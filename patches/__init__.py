@@ -13,6 +13,4 @@ BUILTIN_PATCHES = {
     "te_fused_adam_empty_scale": "npu_fsdp_patches.patches.te_apply_scale:TeFusedAdamEmptyScale",
     "hp_fp32_main_params": "npu_fsdp_patches.patches.hp_fp32_main_params:HpFp32MainParams",
     "hp_skip_dispatch_adamw": "npu_fsdp_patches.patches.hp_skip_dispatch:HpSkipDispatchAdamW",
-    "veomni_dcp_refuse_main_params":
-        "npu_fsdp_patches.patches.veomni_dcp_checkpointer:VeomniDcpRefuseMainParams",
 }

@@ -233,6 +233,28 @@ def test_plain_state_dict_rebuilds_main_params_with_warning():
     assert all(torch.equal(p.main_param, p.float()) for p in model2.parameters())
 
 
+def test_flattened_plain_state_into_the_wrapper_rebuilds_main_params_with_warning():
+    """A plain optimizer's flattened state (no state.<fqn>.main_param keys): torch's unflattening
+    asks the wrapper's state for its keys and hands back {} for main_param, which means absent."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    torch.manual_seed(0)
+    plain_model = Net().to(torch.bfloat16)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
+    backward(plain_model)
+    plain.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    flat = get_optimizer_state_dict(plain_model, plain, options=options)
+    wrapped_model = Net().to(torch.bfloat16)
+    wrapped_model.load_state_dict(plain_model.state_dict())
+    opt = MainParamsOptimizer(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3), wrapped_model)
+    with pytest.warns(UserWarning, match="fp32 tails"):
+        set_optimizer_state_dict(wrapped_model, opt, flat, options=options)
+    assert all(torch.equal(p.main_param, p.float()) for p in wrapped_model.parameters())
+    assert torch.equal(opt.state[wrapped_model.body.weight]["exp_avg"],
+                       plain.state[plain_model.body.weight]["exp_avg"].float())
+
+
 def test_legacy_layout_loads_with_its_main_params():
     """The earlier layout (FQN-keyed state + _mixed_precision_optimizer section) still loads."""
     model, opt = _trained()
@@ -252,8 +274,10 @@ def test_legacy_layout_loads_with_its_main_params():
 def test_a_main_param_left_unloaded_is_rebuilt_from_the_loaded_model():
     """DCP with allow_partial_load leaves a template's main param as it was: the live main param
     still holding the fresh values. Loading must not keep it over the loaded model."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
     model, opt = _trained()
-    model2, opt2 = _trained(seed=1, steps=1)   # has state, as DCP's template after torch primes it
+    model2, _, opt2 = make(seed=1)    # a fresh build, as a resuming job has
+    _init_optim_state(opt2)           # torch's priming step (lr=0), as get_state_dict runs it
     sd2 = opt2.state_dict()           # template: the live main params of opt2
     for i, s in opt.state_dict()["state"].items():   # "load" everything but main params
         for k, v in s.items():
@@ -396,3 +420,16 @@ def test_apply_model_init_dtype_rejects_other_dtypes():
         apply_model_init_dtype(Net(), torch.float64)
     with pytest.raises(ValueError, match="model_init_dtype"):
         apply_model_init_dtype(Net(), "int8")
+
+
+def test_model_loaded_after_wrapping_is_not_overwritten_by_torchs_priming_step():
+    """Load the model, then set_optimizer_state_dict on a fresh wrapper: torch's priming step must
+    not copy the main params (still those of the initial model) over the loaded model."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    loaded, _ = _trained(seed=1)
+    model, _, opt = make()
+    model.load_state_dict(loaded.state_dict())
+    _init_optim_state(opt)                    # what get/set_optimizer_state_dict run first
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(p.main_param, p.float()), name

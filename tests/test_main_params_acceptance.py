@@ -1,27 +1,44 @@
-"""RFC 001 acceptance cases 2.1-2.5 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001) on 2 gloo ranks with
-real torch FSDP2 + DCP (docs/design.md#43-hp_fp32_main_params, #5-test-rules).
+"""RFC 001 acceptance cases 2.1-2.5 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001) and
+MainParamsOptimizer through torch's distributed state-dict API (docs/main_params.md), with real
+torch FSDP2 + DCP on gloo (docs/design.md#43-hp_fp32_main_params, #5-test-rules).
 
-One 2-rank launch runs the five cases (plus the FSDP2 dtype-cast checks); a 4-rank launch then
-loads case 2's checkpoint at the other world size. Rank code: tests/multirank/main_params_cases.py.
+Three launches: 2 ranks run the five RFC cases and the torch-API cases (get/set_state_dict, DCP
+resume bit for bit, full_state_dict + cpu_offload, flattened, cross-loading) and save; 3 ranks
+load those checkpoints resharded 2->3 and rerun the torch-API cases; 2 ranks load the 3-rank
+checkpoint (3->2). Rank code: tests/multirank/main_params_cases.py, main_params_api_cases.py.
 """
 from tests.distributed import run_ranks
 from tests.torch_versions import needs_fsdp2_on_cpu
 
 
+def _check_api(api, world):
+    assert api["tails"] > 0                      # the fp32 tails exist, so restoring them is visible
+    assert api["rebuilt_mismatches"] > 0         # re-deriving the mains from bf16 would be caught
+    assert api["plain_states_checked"] > 0
+    assert "optimizer.state." in api["default_planner_error"], api["default_planner_error"]
+
+
 @needs_fsdp2_on_cpu
-def test_acceptance_cases_and_reshard(tmp_path):
+def test_acceptance_cases_torch_state_dict_api_and_reshard(tmp_path):
     root = str(tmp_path)
-    results = run_ranks("tests.multirank.main_params_cases:acceptance", world_size=2,
-                        args={"root": root}, timeout=300)
-    for result in results:
-        assert result["dtype_layout"] is True
-        case1 = result["case1"]
-        assert case1["main_update"] < 0.12
-        assert result["case2"]["tail_elements"] > 0
-        assert result["case2"]["lost_by_round_trip"] >= result["case2"]["tail_elements"]
-        assert "proj2.weight" in result["case4"]["partial_error"]
-        assert len(result["case5"]) == 2
-    resharded = run_ranks("tests.multirank.main_params_cases:reshard_load", world_size=4,
-                          args={"root": root}, timeout=300)
-    # 7 rows over 4 ranks: 2/2/2/1 -- the 2-rank shards (4/3) were really resharded
-    assert [r["proj1_local_rows"] for r in resharded] == [2, 2, 2, 1]
+    two = run_ranks("tests.multirank.main_params_api_cases:two_ranks", world_size=2,
+                    args={"root": root}, timeout=600)
+    for result in two:
+        acceptance = result["acceptance"]
+        assert acceptance["dtype_layout"] is True
+        assert acceptance["case1"]["main_update"] < 0.12
+        assert acceptance["case2"]["tail_elements"] > 0
+        assert acceptance["case2"]["lost_by_round_trip"] >= acceptance["case2"]["tail_elements"]
+        assert "proj2.weight" in acceptance["case4"]["partial_error"]
+        assert len(acceptance["case5"]) == 2
+        _check_api(result["api"], 2)
+    three = run_ranks("tests.multirank.main_params_api_cases:three_ranks", world_size=3,
+                      args={"root": root}, timeout=600)
+    # 7 rows over 3 ranks: 3/3/1 -- the 2-rank shards (4/3) were really resharded
+    assert [r["case2_resharded_rows"] for r in three] == [3, 3, 1]
+    assert [r["api"]["resharded"] for r in three] == [3, 3, 1]
+    for result in three:
+        _check_api(result["api"], 3)
+    back = run_ranks("tests.multirank.main_params_api_cases:back_to_two", world_size=2,
+                     args={"root": root}, timeout=300)
+    assert [r["api3_resharded_rows"] for r in back] == [4, 3]

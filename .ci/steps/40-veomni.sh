@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# veomni 0.1.12 as a real client (issue 9): tests/clients/test_veomni.py on 2 gloo ranks, in the venv
+# veomni 0.1.12 as a real client (issues 9, 19): tests/clients/test_veomni.py on 2 gloo ranks, in the venv
 # .ci/venvs/veomni. Pins: veomni==0.1.12 with torch==2.13.0 (the local CPU wheel) and every other
 # dependency from 40-veomni.constraints.txt; transformers==5.18.0 without its resolver (5.24 breaks
 # veomni's import), plus the two of its deps veomni's import needs (tokenizers, typer); the registry's
 # torchvision (pulled in by timm) is removed because it breaks CPU torch.
 # NPU_FSDP_PATCHES_REQUIRE_VEOMNI=1 turns the tests' "veomni missing" skip into a failure.
-# Measured on the merged tree (2 cores, lightly loaded): cold venv + install 345 s, tests 46 s
-# (3 tests). Under a load average of ~12 the install took 1274 s. With the two checkpointer tests of
-# patch veomni_dcp_refuse_main_params (4 tests) at a load average of ~14: install 1119 s, tests 271 s
-# (80 s of CPU); not yet re-timed lightly loaded.
+# Measured on the merged tree (2 cores, lightly loaded): cold venv + install 345 s (1274 s under a load
+# average of ~12). Tests: 2 launches (AdamW, Muon), each resuming through save/load_checkpoint and through
+# veomni's own DistributedCheckpointer: 143 s at a load average of ~18 (issue 19 branch).
 set -uo pipefail
 venv=.ci/venvs/veomni
 constraints=.ci/steps/40-veomni.constraints.txt

@@ -26,7 +26,7 @@ LEAN=(
     tests/test_layouts.py tests/test_main_params.py tests/test_main_params_optimizer_contract.py
     tests/test_main_params_hyper.py tests/test_main_params_acceptance.py
     tests/test_hp_skip_dispatch_patch.py tests/test_hp_fp32_main_params_patch.py
-    tests/test_te_fused_adam_patch.py tests/test_veomni_dcp_refusal_patch.py
+    tests/test_te_fused_adam_patch.py tests/test_main_params_veomni_checkpointer.py
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.10.0]"
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
     tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py

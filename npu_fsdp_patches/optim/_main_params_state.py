@@ -12,7 +12,7 @@ Checkpoints of the earlier layout (state keyed by FQN, main params in a separate
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -96,6 +96,8 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 continue
             param_state = dict(saved_state[key])
             saved_main = param_state.pop(MAIN_PARAM, None)
+            if isinstance(saved_main, dict) and not saved_main:
+                saved_main = None   # torch's unflattening rebuilds a key the flat dict lacks as {}
             if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
                 saved_mains[model_of(main)] = saved_main
             state[index] = param_state
@@ -116,11 +118,6 @@ def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:
                          f"set_optimizer_state_dict or DCP, which reshard")
     with torch.no_grad():
         dst_local.copy_(src_local)
-
-
-def local_versions(mains: Iterator[torch.Tensor]) -> dict[int, int]:
-    """``{id(main): version counter of its local shard}``: an in-place load (DCP) bumps it."""
-    return {id(m): local_tensor(m)._version for m in mains}
 
 
 def drop_main_params(optim_state_dict: dict) -> dict:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
-from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, copy_into_main, local_versions,
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, copy_into_main,
                                  native_state_dict, split_by_leaf, upgrade_legacy)
 from ._param_identity import stale_param_references
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
@@ -125,7 +125,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             self._fqn_by_id[id(model)] = self._fqn_by_id[id(main)] = fqn
         self._state_view = LeafState(self.leaf_optimizers, self._main_of_key, self.model_param,
                                      self._describe_non_optimizer_param, self._copy_into_main)
-        self._saved_versions: dict[int, int] = {}
+        self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
 
     # ---- construction -------------------------------------------------------------------------
     def _wrap_group(self, leaf, g: int, group: dict, fqn_by_id: dict) -> None:
@@ -257,14 +257,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         """Like torch's Optimizer: everything but the hooks (which may hold lambdas)."""
-        return {k: v for k, v in self.__dict__.items()
-                if not k.startswith("_optimizer_") and k not in ("_state_view", "_saved_versions")
-                and not k.endswith("_by_id")}
+        state = {k: v for k, v in self.__dict__.items()
+                 if not k.startswith("_optimizer_") and k not in ("_state_view", "_derived_from_model")
+                 and not k.endswith("_by_id")}
+        state["_derived"] = [id(main) in self._derived_from_model for _, main in self._low_precision_pairs()]
+        return state
 
     def __setstate__(self, state: dict) -> None:
+        derived = state.pop("_derived")
         self.__dict__.update(state)
         init_optimizer_contract(self)
         self._index_params()   # id-keyed lookups hold ids of the original's params
+        self._derived_from_model = {id(main) for (_, main), d in zip(self._low_precision_pairs(), derived) if d}
 
     def __repr__(self) -> str:
         leaves = ", ".join(type(leaf).__name__ for leaf in self.leaf_optimizers)
@@ -290,12 +294,21 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        """Step the leaf optimizers on the main params, then copy main -> model params."""
+        """Step the leaf optimizers on the main params, then copy main -> model params.
+
+        Main params still as derived from the model (never trained or loaded) are first refreshed
+        from it: the model may have been loaded since, and torch's priming step would otherwise
+        copy the stale values over it."""
+        if self._derived_from_model:
+            self._copy_pairs(to_model=False, pairs=[(m, f) for m, f in self._low_precision_pairs()
+                                                     if id(f) in self._derived_from_model])
         if isinstance(self.optimizer, (list, tuple, dict)):
             for leaf in self.leaf_optimizers:
                 leaf.step()
         else:
             self.optimizer.step()   # a chained optimizer keeps its own step order
+        if any(_nonzero(group.get("lr", 1.0)) for group in self.param_groups):
+            self._derived_from_model = set()   # trained (torch's priming step runs at lr=0)
         self._copy_main_params_to_model_params()
         return True
 
@@ -340,6 +353,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         """Refresh the fp32 main params from the model params (loses fp32 tails;
         docs/hyper_parallel.md#rfc-001-8-main_grad-and-step)."""
         self._copy_pairs(to_model=False)
+        self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
 
     # ---- state dict --------------------------------------------------------------------------
     def main_params_by_fqn(self) -> dict[str, nn.Parameter]:
@@ -351,7 +365,6 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
-        self._saved_versions = local_versions(main for _, main in self._low_precision_pairs())
         return native_state_dict(self.leaf_optimizers, self.model_param)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -381,7 +394,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                     not_loaded.append(self.fqn(model))
             else:
                 copy_into_main(main, value, self.fqn(model))
+                self._derived_from_model.discard(id(main))   # loaded
         self._copy_pairs(to_model=False, pairs=rebuild)
+        self._derived_from_model.update(id(main) for _, main in rebuild)
         if not_loaded:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: the optimizer state has no fp32 main params "
@@ -390,16 +405,21 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 f"cannot be recovered", UserWarning, stacklevel=4)
 
     def _is_stale(self, main: nn.Parameter, value: Any, model: nn.Parameter) -> bool:
-        """``value`` is the live main param, unchanged since :meth:`state_dict` handed it out, and
-        it no longer matches the (since loaded) model param: a load left it out (DCP with
-        ``allow_partial_load``, a plain optimizer's checkpoint), so it must come from the model."""
+        """``value`` is the live main param, still as derived from the model (never trained or
+        loaded), and the model param no longer rounds from it: a load left the main param out (DCP
+        with ``allow_partial_load`` and a plain optimizer's checkpoint, into a fresh optimizer) while
+        loading the model, so it must come from the model. A main param that holds trained or
+        loaded values is kept: no comparison, so state-dict round trips cost no pass over the data."""
         if not isinstance(value, torch.Tensor) or local_tensor(value) is not local_tensor(main):
             return False
-        version = self._saved_versions.get(id(main))
-        if version is not None and version != local_tensor(main)._version:
-            return False   # written in place since state_dict(): loaded by DCP
+        if id(main) not in self._derived_from_model:
+            return False
         model_local = local_tensor(model)
         return not torch.equal(local_tensor(main).to(model_local.dtype), model_local)
+
+
+def _nonzero(lr: Any) -> bool:
+    return bool(lr != 0) if not torch.is_tensor(lr) else bool((lr != 0).any())
 
 
 def raise_partial_main_params(missing: Iterable[str]) -> None:

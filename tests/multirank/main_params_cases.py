@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, load_checkpoint,
@@ -29,7 +30,6 @@ from tests.support import bit_mismatches
 BATCH = 8
 MUON = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True, "ns_steps": 5}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
-MP = "_mixed_precision_optimizer"
 #: torch.optim.Muon exists from torch 2.9; older torch runs the same cases with AdamW alone
 HAS_MUON = hasattr(torch.optim, "Muon")
 
@@ -87,8 +87,8 @@ def train_step(model, opt, step, rank=None, world=None, clip=1.0):
     ids, targets = batch(step, rank, world)
     loss = F.cross_entropy(model(ids).float().reshape(-1, VOCAB), targets.reshape(-1))
     loss.backward()
-    opt.prepare_grads()
-    mains = [p for g in opt.param_groups for p in g["params"]]
+    opt.prepare_grads()   # the grads move to the main params, which Megatron's split step clips
+    mains = [opt.main_param(p) for g in opt.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(mains, clip)
     main_grads = {opt.fqn(p): full(p.grad) for p in mains}
     opt.step_with_ready_grads()
@@ -141,7 +141,7 @@ def case1_accuracy(rank, world, steps=3):
     worst = {"loss": 0.0, "grad_norm": 0.0, "main_grad": 0.0, "param": 0.0, "main_update": 0.0}
     init = {n: full(p).float() for n, p in ref_model.named_parameters()}
     for step in range(steps):
-        before = {k: full(p) for k, p in ((opt.fqn(q), q) for g in opt.param_groups for q in g["params"])}
+        before = {opt.fqn(q): full(q.main_param) for g in opt.param_groups for q in g["params"]}
         ref = train_step(ref_model, ref_opt, step)
         got = train_step(model, opt, step, rank, world)
         worst["loss"] = max(worst["loss"], abs(ref["loss"] - got["loss"]))
@@ -197,7 +197,7 @@ def case2_save_restore(rank, world, ckpt):
     assert all(tails[k] > 0 for k in ("proj1.weight", "proj2.weight", "lm_head.weight", "embed.weight")), tails
     save_checkpoint(ckpt, model, opt)
     keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
-    assert {f"optimizer.{MP}.fp32_from_fp16_params.{n}" for n, _ in model.named_parameters()} <= keys
+    assert {f"optimizer.state.{n}.main_param" for n, _ in model.named_parameters()} <= keys
     if rank == 0:
         torch.save(saved, os.path.join(ckpt, "..", "case2_snapshot.pt"))
     uninterrupted = train_step(model, opt, 1, rank, world)
@@ -244,12 +244,12 @@ def case3_fp32(rank, world, ckpt):
     opt = MainParamsOptimizer(chain, model)
     assert all(p.main_param is p for p in model.parameters())
     assert storage_count(model, opt) == before
-    assert opt.state_dict()[MP]["fp32_from_fp16_params"] == {}
+    assert opt.main_params_by_fqn() == {}
     assert not opt.float16_groups[0] and not any(opt.fp32_from_float16_groups)
     train_step(model, opt, 0, rank, world)
     save_checkpoint(ckpt, model, opt)
     keys = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
-    assert not any(k.startswith(f"optimizer.{MP}") for k in keys)
+    assert not any(k.endswith(".main_param") for k in keys)   # +0 B: fp32 params are their own main
     saved = snapshot(opt)
     uninterrupted = train_step(model, opt, 1, rank, world)
     model2, _, opt2 = build(torch.float32, sharded=True, world=world)
@@ -271,7 +271,7 @@ def case4_plain_and_partial(rank, world, plain_ckpt, partial_ckpt):
     chain.zero_grad()
     save_checkpoint(plain_ckpt, model, chain.chained_optimizers)
     keys = set(dcp.FileSystemReader(plain_ckpt).read_metadata().state_dict_metadata)
-    assert not any(MP in k for k in keys)
+    assert not any(k.endswith(".main_param") for k in keys)
     model2, _, opt2 = build(torch.bfloat16, sharded=True, world=world)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -287,11 +287,10 @@ def case4_plain_and_partial(rank, world, plain_ckpt, partial_ckpt):
                                           leaf2.state[p2][k])[0] == 0, (opt2.fqn(p2), k)
 
     # 2. partial main params: two FQNs dropped; the load must raise and touch nothing
-    sd = {"model": model2.state_dict(), "optimizer": opt2.state_dict()}
-    sd["optimizer"] = dict(sd["optimizer"])
-    sd["optimizer"][MP] = {"fp32_from_fp16_params": dict(sd["optimizer"][MP]["fp32_from_fp16_params"])}
+    sd = {"model": model2.state_dict(), "optimizer": get_optimizer_state_dict(model2, opt2)}
     for fqn in ("proj2.weight", "gain"):
-        del sd["optimizer"][MP]["fp32_from_fp16_params"][fqn]
+        sd["optimizer"]["state"][fqn] = {k: v for k, v in sd["optimizer"]["state"][fqn].items()
+                                         if k != "main_param"}
     dcp.save(sd, checkpoint_id=partial_ckpt)
     target, _, topt = build(torch.bfloat16, sharded=True, world=world)
     train_step(target, topt, 3, rank, world)                 # has state, differs from the checkpoint
