@@ -1,17 +1,19 @@
-"""veomni's own ``build_optimizer`` under ``MainParamsOptimizer``: fp32 main params for a bf16 FSDP2 model.
+"""veomni's own ``build_optimizer`` under ``MainParamsOptimizer``, resumed by veomni's own checkpointer.
 
     torchrun --nproc_per_node=2 examples/veomni_main_params.py [--device cpu|cuda|npu]
                                                                [--optimizer adamw|muon] [--ckpt DIR]
 
-Needs veomni (0.1.4 or later) in the environment where npu_fsdp_patches is installed. The model is
-sharded with torch FSDP2 (bf16 params, fp32 gradient reduction), cast to bf16 with
-``apply_model_init_dtype``, and veomni's optimizer (AdamW, or Muon: ``DistributedMuon`` + AdamW) is
-wrapped. It trains 4 steps; a second run trains 2, saves with ``save_checkpoint``, resumes into a fresh
-model and optimizer with ``load_checkpoint`` and trains 2 more. veomni's own ``DistributedCheckpointer``
-is handed the wrapper once, to show patch ``veomni_dcp_refuse_main_params`` refusing it up front.
+Needs veomni (0.1.4 or later) in the environment where npu_fsdp_patches is installed; no patch is
+needed for veomni. The model is sharded with torch FSDP2 (bf16 params, fp32 gradient reduction),
+cast to bf16 with ``apply_model_init_dtype``, and veomni's optimizer (AdamW, or Muon:
+``DistributedMuon`` + AdamW) is wrapped. It trains 4 steps; a second run trains 2, saves with veomni's
+``DistributedCheckpointer`` (``extra_state`` included), resumes into a fresh model and optimizer with
+its ``load`` and trains 2 more. The checkpointer goes through torch's get/set_optimizer_state_dict,
+which the wrapper serves: model params in ``param_groups``, each fp32 main param in
+``state[p]["main_param"]`` (docs/main_params.md).
 
-The check: the resumed run equals the uninterrupted one bit for bit (losses and every param), the load
-restored the fp32 main params, and veomni's checkpointer refused the wrapper. Exits 1 otherwise.
+The check: the resumed run equals the uninterrupted one bit for bit (losses, every param and every
+fp32 main param) and ``extra_state`` came back. Exits 1 otherwise.
 """
 import argparse
 import os
@@ -27,10 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from device_setup import add_device_argument, finish, init_distributed
-from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, load_checkpoint,
-                                    save_checkpoint)
+from npu_fsdp_patches.optim import MainParamsOptimizer, apply_model_init_dtype
 
-PATCH = "veomni_dcp_refuse_main_params"
 VOCAB, DIM, BATCH, SEQ = 11, 8, 4, 6
 # what a veomni config sets: bf16 params, fp32 gradient reduction (fp32 main grads), optimizer args
 MIXED_PRECISION = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -89,20 +89,31 @@ def train(model, opt, steps: range, device) -> list:
     return (total / dist.get_world_size()).tolist()
 
 
-def veomni_checkpointer_save(model, opt, path: str) -> tuple:
-    """veomni's DistributedCheckpointer.save handed the wrapper: (refused up front, what happened)."""
+def checkpointer(device):
+    """veomni's DistributedCheckpointer. Its save calls ``torch.<device>.empty_cache()``
+    (veomni/utils/device.py), which CPU torch lacks: a no-op stands in on CPU only."""
     from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer
-    try:
-        state = {"model": model, "optimizer": opt, "extra_state": {"global_step": 2}}
-        DistributedCheckpointer.save(path, state, global_steps=2)
-    except TypeError as exc:
-        if "cannot checkpoint the optimizer" in str(exc):     # the patch's refusal, before any write
-            return True, f"refused ({str(exc).split(':')[0]})"
-        return False, f"failed: TypeError: {exc}"
-    except Exception as exc:      # veomni's own path: fails inside torch DCP after writing extra_state
-        written = sum(len(files) for _, _, files in os.walk(path))
-        return False, f"failed after writing {written} file(s): {type(exc).__name__}: {exc}"
-    return False, "saved"
+    if device.type == "cpu" and not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda: None
+    return DistributedCheckpointer
+
+
+def veomni_resume(path: str, model, opt, device) -> dict:
+    """Load veomni's checkpoint at ``path`` into ``model``/``opt``; returns the loaded extra_state."""
+    state = {"model": model, "optimizer": opt, "extra_state": {}}
+    checkpointer(device).load(path, state)
+    return state["extra_state"]
+
+
+def gathered(model, opt) -> list:
+    """Every param and its fp32 main param, gathered to full tensors."""
+    return [t.full_tensor() for p in model.parameters() for t in (p, opt.main_param(p))]
+
+
+def patch_line() -> str:
+    applied = [r["name"] for r in npu_fsdp_patches.status() if r["state"] == "applied"]
+    return (f"npu_fsdp_patches.status(): applied: {', '.join(applied) or 'none'}; no patch is needed "
+            "for veomni (its checkpointer works through torch's state-dict API)")
 
 
 def main() -> None:
@@ -120,29 +131,30 @@ def main() -> None:
 
     model, opt = build(args.optimizer, mesh, device)
     straight = train(model, opt, range(4), device)
-    params = [p.full_tensor() for p in model.parameters()]
+    final = gathered(model, opt)
 
     model, opt = build(args.optimizer, mesh, device)
     first = train(model, opt, range(2), device)
-    refused, veomni_save = veomni_checkpointer_save(model, opt, os.path.join(ckpt, "veomni"))
-    save_checkpoint(os.path.join(ckpt, "ours"), model, opt)
+    extra = {"global_step": 2, "rank": dist.get_rank()}
+    checkpointer(device).save(ckpt, {"model": model, "optimizer": opt, "extra_state": extra})
     model, opt = build(args.optimizer, mesh, device)
-    branch = load_checkpoint(os.path.join(ckpt, "ours"), model, opt)
+    loaded = veomni_resume(ckpt, model, opt, device)
+    carries = all("main_param" in opt.state[p] for p in model.parameters())
     resumed = first + train(model, opt, range(2, 4), device)
-    same = resumed == straight and all(torch.equal(a, p.full_tensor())
-                                       for a, p in zip(params, model.parameters()))
-    patch = {r["name"]: r["state"] for r in npu_fsdp_patches.status()}.get(PATCH)
+    same = resumed == straight and all(torch.equal(a, b) for a, b in zip(final, gathered(model, opt)))
     if dist.get_rank() == 0:
         leaves = sorted(type(leaf).__name__ for leaf in opt.leaf_optimizers)
         print(f"veomni build_optimizer({args.optimizer}) -> {' + '.join(leaves)}, wrapped in "
               f"MainParamsOptimizer on {device.type}")
+        print(patch_line())
+        print(f"MainParamsOptimizer state carries main_param for every param: {carries}")
         print(f"losses: {' '.join(f'{x:.4f}' for x in straight)}")
-        print(f"{PATCH}: {patch}; veomni DistributedCheckpointer.save: {veomni_save}")
-        print(f"load branch: {branch}; resume matches uninterrupted: {same}")
+        print(f"veomni DistributedCheckpointer resume matches uninterrupted: {same}; "
+              f"extra_state restored: {loaded == extra}")
     failures = [what for what, bad in (
         ("the resumed run differs from the uninterrupted one", not same),
-        (f"load_checkpoint took the {branch!r} branch, not 'main_params'", branch != "main_params"),
-        ("veomni's DistributedCheckpointer did not refuse the wrapper", not refused)) if bad]
+        ("extra_state did not come back", loaded != extra),
+        ("the optimizer state lacks main_param", not carries)) if bad]
     finish(not failures, "; ".join(failures))
 
 

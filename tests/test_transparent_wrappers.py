@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import run_case
+from tests.core_demo import demo_matrix
+from tests.support import install_fixture, run_case
 from tests.te_real import require_te_site, require_tenpu_site
 
 HYPER_TARGETS = ["torch.optim.adam:adam", "torch.optim.adamw:adamw", "torch.optim.adamw:adam",
@@ -26,8 +27,7 @@ TE_TARGETS = [_FUSED + m for m in ("step", "_initialize_state", "get_unscaled_st
     "transformer_engine.pytorch.optimizers.multi_tensor_apply:MultiTensorApply.__call__"]
 TE_PATCHES = ("te_fused_adam_dtensor,te_fused_adam_empty_scale,te_multi_tensor_apply_empty_tail,"
               "te_initialize_state_compat")
-VEOMNI_TARGETS = ["veomni.checkpoint.dcp_checkpointer:DistributedCheckpointer.save",
-                  "veomni.checkpoint.dcp_checkpointer:DistributedCheckpointer.load"]
+DESCRIPTOR_TARGETS = ["demo_target:Engine.build", "demo_target:Engine.check"]
 #: API changes on purpose, so the replacement declares its own signature (``__signature__``):
 #: te_initialize_state_compat makes store_param_remainders optional; te_fused_adam_dtensor gives
 #: TE < 2.13 the ``skip_unscale`` argument of TE >= 2.13 (docs/te_fused_adam.md#13-method-signatures)
@@ -126,11 +126,19 @@ def test_te_targets_are_transparent(flavor):
             assert on[symbol]["signature"] == declared != off[symbol]["signature"], (symbol, on[symbol])
 
 
-def test_veomni_classmethods_are_transparent(fixture_site):
-    site = fixture_site("veomni_dcp")
-    args = {"targets": VEOMNI_TARGETS}
-    off = run_case("tests.children.transparent:surface", args=args, paths=[site], env=OFF)
-    on = run_case("tests.children.transparent:surface", args=args, paths=[site],
-                  env={"NPU_FSDP_PATCHES_ENABLE": "veomni_dcp_refuse_main_params"})
-    assert set(VEOMNI_TARGETS) <= set(on["applied"])
+def test_classmethod_and_staticmethod_replacements_are_transparent(tmp_path):
+    """No shipped patch targets a descriptor now: the core_demo patch demo_descriptors does."""
+    site = install_fixture("core_demo", tmp_path)
+    matrix = demo_matrix(tmp_path / "descriptors.yaml", """  demo_descriptors:
+    summary: forward Engine.build (classmethod) and Engine.check (staticmethod)
+    targets: ["demo_target:Engine.build", "demo_target:Engine.check"]
+    gate:
+      - demo: {version: ">=1.0"}
+""")
+    args = {"targets": DESCRIPTOR_TARGETS}
+    env = {"NPU_FSDP_PATCHES_MATRIX": str(matrix)}
+    off = run_case("tests.children.transparent:surface", args=args, paths=[site], env={**env, **OFF})
+    on = run_case("tests.children.transparent:surface", args=args, paths=[site], env=env)
+    assert set(DESCRIPTOR_TARGETS) <= set(on["applied"])
+    assert on["demo_target:Engine.build"]["signature"] == "(x: int, *, scale: int = 1) -> 'Engine'"
     _assert_transparent(off, on)
