@@ -24,7 +24,9 @@ def resolve(symbol):   # no plugin import here: the baseline run must never load
 
 
 def scan(targets: list, plugin_dirs: list) -> dict:
-    """Targets (``module:qualname``) whose code lives under ``plugin_dirs``, and the training digest."""
+    """Targets (``module:qualname``) that hold a replacement of ours (marked, or code under
+    ``plugin_dirs``), and the training digest. A replacement's ``__wrapped__`` is the original (it is
+    transparent), so a wrapper chain alone does not lead to our code."""
     ours = []
     for symbol in targets:
         try:
@@ -33,7 +35,8 @@ def scan(targets: list, plugin_dirs: list) -> dict:
             continue
         for _ in range(8):   # follow functools.wraps chains (torch's step hook)
             code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-            if code is not None and code.co_filename.startswith(tuple(plugin_dirs)):
+            marked = "__npu_fsdp_patch__" in getattr(obj, "__dict__", {})   # ours, whatever code it runs
+            if marked or (code is not None and code.co_filename.startswith(tuple(plugin_dirs))):
                 ours.append(symbol)
                 break
             obj = getattr(obj, "__wrapped__", None)
