@@ -248,7 +248,7 @@ def test_flattened_plain_state_into_the_wrapper_rebuilds_main_params_with_warnin
     wrapped_model = Net().to(torch.bfloat16)
     wrapped_model.load_state_dict(plain_model.state_dict())
     opt = MainParamsOptimizer(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3), wrapped_model)
-    if not FLAT_LOAD_FILLS_MISSING_KEYS:   # torch < 2.8: torch's own unflattening fails (docs/main_params.md)
+    if not FLAT_LOAD_FILLS_MISSING_KEYS:   # older torch's own unflattening fails (docs/main_params.md)
         with pytest.raises(KeyError, match=r"state\.embed\.weight\.main_param"):
             set_optimizer_state_dict(wrapped_model, opt, flat, options=options)
         return

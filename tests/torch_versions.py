@@ -13,11 +13,18 @@ HAS_MUON = hasattr(torch.optim, "Muon")
 #: torch 2.6: AdamW steps through its own torch.optim.adamw.adamw (_multi_tensor_adamw, ...)
 ADAMW_IS_ADAM = issubclass(torch.optim.AdamW, torch.optim.Adam)
 
-#: torch >= 2.8 unflattens a flattened optimizer state key by key with a default for a key it lacks;
-#: torch 2.6/2.7's _unflatten_optim_state_dict (torch/distributed/checkpoint/state_dict.py) indexes
-#: state_dict["state.<fqn>.<name>"] for every key of optim.state[param] and raises KeyError
-#: (measured: 2.6.0 and 2.7.1 raise, 2.8.0 onwards load)
-FLAT_LOAD_FILLS_MISSING_KEYS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+#: newer torch rebuilds each flattened optimizer state from the keys present (its
+#: _unflatten_optim_state_dict has a nested _reconstruct_nested_dict; a key the state lacks is left out);
+#: older torch (measured: 2.6.0 to 2.9.1) indexes state_dict["state.<fqn>.<name>"] for every key of
+#: optim.state[param] and raises KeyError (torch/distributed/checkpoint/state_dict.py). Probed, not versioned.
+def _flat_load_fills_missing_keys() -> bool:
+    import inspect
+    from torch.distributed.checkpoint import state_dict
+    unflatten = getattr(state_dict, "_unflatten_optim_state_dict", None)
+    return unflatten is not None and "_reconstruct_nested_dict" in inspect.getsource(unflatten)
+
+
+FLAT_LOAD_FILLS_MISSING_KEYS = _flat_load_fills_missing_keys()
 
 needs_muon = pytest.mark.skipif(
     not HAS_MUON, reason=f"torch.optim.Muon needs torch >= 2.9; this is torch {torch.__version__}")
