@@ -22,6 +22,12 @@ class PluginLog:
         import logging
         return logging.getLogger(NAME)
 
+    def is_enabled_for(self, level: int) -> bool:
+        """``Logger.isEnabledFor``, False below WARNING while nothing has loaded logging."""
+        if level < _WARNING and "logging" not in sys.modules:
+            return False
+        return self.logger().isEnabledFor(level)
+
     def _log(self, level: int, msg: str, *args, **kwargs) -> None:
         if level < _WARNING and "logging" not in sys.modules:
             return

@@ -8,12 +8,11 @@ sets ``RANK`` before the process starts, so it is read from the environment (tor
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import threading
 from typing import Callable
 
-log = logging.getLogger("npu_fsdp_patches")
+from .plugin_log import log
 
 _ORDER = ("applied", "skipped", "failed", "reverted", "pending")
 
@@ -53,7 +52,7 @@ class ActivationSummary:
 
     def update(self, snapshot: Callable[[], list], final: bool = False) -> None:
         """Log the line if every enabled patch has settled (or ``final``); a no-op after the first."""
-        if self._done or not log.isEnabledFor(logging.INFO) or not _rank_zero():
+        if self._done or not log.is_enabled_for(20) or not _rank_zero():
             return
         records = snapshot()
         settled = not any(r["decision"] == "enabled" and r["state"] == "pending" for r in records)
