@@ -12,7 +12,7 @@ Checkpoints of the earlier layout (state keyed by FQN, main params in a separate
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -103,6 +103,16 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
             state[index] = param_state
         natives.append({"state": state, "param_groups": groups})
     return natives, saved_mains
+
+
+def raise_partial_main_params(missing: Iterable[str]) -> None:
+    """Refuse a state that has the main params of some bf16/fp16 params only, naming the others."""
+    missing = sorted(missing)
+    raise ValueError(
+        f"optimizer state is incomplete: it holds the fp32 main params ('main_param') of some "
+        f"bf16/fp16 params but not of {len(missing)} other(s): {', '.join(missing)}. Refusing to "
+        f"load (nothing was written) rather than silently rebuilding them from the low-precision "
+        f"model params.")
 
 
 def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:

@@ -27,48 +27,21 @@ checks on the checkpoint before loading.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
-from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, copy_into_main,
-                                 native_state_dict, split_by_leaf, upgrade_legacy)
-from ._param_identity import stale_param_references
+from ._main_param_tensors import clear_grads, fp32_grad
+from ._main_params_build import leaf_optimizers, reset_param_caches, swap_in_main_params
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, copy_into_main, native_state_dict,
+                                 raise_partial_main_params, split_by_leaf, upgrade_legacy)
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
-from ._main_param_tensors import clear_grads, fp32_grad, fp32_main_param
 from .tensors import is_foreign_dtensor, local_tensor, local_tensors
-
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 __all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers",
            "MAIN_PARAM", "MP_KEY", "MAIN_PARAMS_KEY"]
-
-
-def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The leaf optimizers behind ``optimizer``: one optimizer, a list/dict, or a chained optimizer.
-
-    Chained optimizers are recognised by ``chained_optimizers`` (hyper-parallel ChainedOptimizer)
-    or ``optimizers_dict`` (hyper-parallel, veomni MultiOptimizer).
-    """
-    if isinstance(optimizer, dict):
-        children = list(optimizer.values())
-    elif isinstance(optimizer, (list, tuple)):
-        children = list(optimizer)
-    elif getattr(optimizer, "chained_optimizers", None) is not None:
-        children = list(optimizer.chained_optimizers)
-    elif getattr(optimizer, "optimizers_dict", None) is not None:
-        children = list(optimizer.optimizers_dict.values())
-    elif isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    else:
-        raise TypeError(f"expected a torch optimizer, a list/dict of optimizers or a chained "
-                        f"optimizer, got {type(optimizer).__name__}")
-    leaves = [leaf for child in children for leaf in leaf_optimizers(child)]
-    if not leaves:
-        raise ValueError("the chained optimizer holds no optimizers")
-    return leaves
 
 
 class MainParamsOptimizer(torch.optim.Optimizer):
@@ -96,8 +69,6 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.model = model
         self.leaf_optimizers = leaf_optimizers(optimizer)
-        self._main_param_by_id: dict[int, nn.Parameter] = {}
-
         fqn_by_id = {}
         for name, p in model.named_parameters():
             fqn_by_id.setdefault(id(p), name)
@@ -105,11 +76,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.fp32_from_float16_groups: list[list[nn.Parameter]] = []
         self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
         self._fqns: list[tuple[nn.Parameter, str]] = []   # (model param, FQN), in group order
+        seen: set[int] = set()
         for leaf in self.leaf_optimizers:
             for g, group in enumerate(leaf.param_groups):
-                self._wrap_group(leaf, g, group, fqn_by_id)
+                float16, mains, fp32, fqns = swap_in_main_params(leaf, g, group, fqn_by_id, seen)
+                self.float16_groups.append(float16)
+                self.fp32_from_float16_groups.append(mains)
+                self.fp32_from_fp32_groups.append(fp32)
+                self._fqns.extend(fqns)
         self._index_params()
-        self._rebuild_param_caches()
+        reset_param_caches(optimizer, self.leaf_optimizers,
+                           {main: self.model_param(main) for main in self._main_params()},
+                           {id(m): self.fqn(m) for m, _ in self._low_precision_pairs()})
 
     def _index_params(self) -> None:
         """The id-keyed lookups and the state view, (re)built from the lists (after a copy, too)."""
@@ -126,64 +104,6 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self._state_view = LeafState(self.leaf_optimizers, self._main_of_key, self.model_param,
                                      self._describe_non_optimizer_param, self._copy_into_main)
         self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
-
-    # ---- construction -------------------------------------------------------------------------
-    def _wrap_group(self, leaf, g: int, group: dict, fqn_by_id: dict) -> None:
-        float16, fp32_from_float16, fp32_from_fp32 = [], [], []
-        for i, p in enumerate(group["params"]):
-            fqn = fqn_by_id.get(id(p))
-            where = f"param {i} of group {g} of {type(leaf).__name__}"
-            if fqn is None:
-                raise ValueError(f"{where} is not a parameter of the model, so it has no FQN")
-            if id(p) in self._main_param_by_id:
-                raise ValueError(f"parameter {fqn!r} appears in more than one param group")
-            if p.dtype in LOW_PRECISION:
-                main = fp32_main_param(p)
-                group["params"][i] = main
-                if p in leaf.state:
-                    leaf.state[main] = leaf.state.pop(p)
-                float16.append(p)
-                fp32_from_float16.append(main)
-            elif p.dtype == torch.float32:
-                fp32_from_fp32.append(p)
-            else:
-                raise TypeError(f"parameter {fqn!r} has dtype {p.dtype}; MainParamsOptimizer "
-                                f"supports float16, bfloat16 and float32 params only")
-            self._fqns.append((p, fqn))
-            self._main_param_by_id[id(p)] = p   # duplicates check; _index_params rebuilds it
-        self.float16_groups.append(float16)
-        self.fp32_from_float16_groups.append(fp32_from_float16)
-        self.fp32_from_fp32_groups.append(fp32_from_fp32)
-
-    def _rebuild_param_caches(self) -> None:
-        """Let optimizers that cache param identity (older hyper-parallel Muon) see the main params.
-
-        A chained optimizer with ``reset_optimizer_parameters(mapping)`` gets the
-        main-param -> model-param mapping (hyper-parallel's contract); otherwise each leaf that
-        has ``reset_optimizer_parameters()`` rebuilds itself. Then every leaf's attributes other
-        than ``state``/``param_groups`` are searched for the swapped-out low-precision params (or
-        their ``id()``): a leaf still holding one is refused, since it would keep using them.
-        Optimizers that key only ``state`` by param (torch ``Muon``, veomni ``DistributedMuon``,
-        AdamW) pass whatever their name.
-        """
-        reset = getattr(self.optimizer, "reset_optimizer_parameters", None)
-        if reset is not None and self.optimizer not in self.leaf_optimizers:
-            reset({main: self._model_param_by_id[id(main)] for main in self._main_params()})
-        else:
-            for leaf in self.leaf_optimizers:
-                if callable(getattr(leaf, "reset_optimizer_parameters", None)):
-                    leaf.reset_optimizer_parameters()
-        swapped = {id(model): self.fqn(model) for model, _ in self._low_precision_pairs()}
-        for leaf in self.leaf_optimizers:
-            stale = stale_param_references(leaf, swapped) if swapped else []
-            if stale:
-                raise TypeError(
-                    f"{type(leaf).__module__}.{type(leaf).__name__} keeps references to "
-                    f"low-precision params outside its state and param_groups ({'; '.join(stale)}), "
-                    f"and after the swap to fp32 main params they would still point at the "
-                    f"low-precision params. Give it a reset_optimizer_parameters() that rebuilds "
-                    f"them from param_groups, or build it so that it keys only `state` by param "
-                    f"(as torch.optim.Muon does).")
 
     # ---- iteration helpers -----------------------------------------------------------------------
     def _low_precision_pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
@@ -420,15 +340,6 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 
 def _nonzero(lr: Any) -> bool:
     return bool(lr != 0) if not torch.is_tensor(lr) else bool((lr != 0).any())
-
-
-def raise_partial_main_params(missing: Iterable[str]) -> None:
-    missing = sorted(missing)
-    raise ValueError(
-        f"optimizer state is incomplete: it holds the fp32 main params ('main_param') of some "
-        f"bf16/fp16 params but not of {len(missing)} other(s): {', '.join(missing)}. Refusing to "
-        f"load (nothing was written) rather than silently rebuilding them from the low-precision "
-        f"model params.")
 
 
 #: Megatron / hyper-parallel name of the same wrapper.

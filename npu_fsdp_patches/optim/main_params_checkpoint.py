@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from ._leaf_views import MAIN_PARAM
-from ._main_params_state import MAIN_PARAMS_KEY, MP_KEY, drop_main_params, upgrade_legacy
-from .main_params import MainParamsOptimizer, raise_partial_main_params
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, drop_main_params, raise_partial_main_params,
+                                 upgrade_legacy)
+from .main_params import MainParamsOptimizer
 from .tensors import is_foreign_dtensor
 
 __all__ = ["save_checkpoint", "load_checkpoint"]
