@@ -49,36 +49,10 @@ class FusedAdam(torch.optim.Optimizer):
         store_param_remainders=False,
         set_grad_none: Optional[bool] = None,
     ):
-        # TE's constructor errors, in TE's order and wording (docs/te_fused_adam.md#12-constructor-errors).
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
-        if master_weights and master_weight_dtype not in (torch.float32, torch.float16):
-            raise RuntimeError("FusedAdam only supports fp32/fp16 master weights.")
-        if exp_avg_dtype not in _STATE_DTYPES:
-            raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg.")
-        if exp_avg_sq_dtype not in _STATE_DTYPES:
-            raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg_sq.")
-        if capturable and master_weights and master_weight_dtype != torch.float32:
-            raise RuntimeError("Capturable mode only supports fp32 master weights.")
-        if capturable and not (exp_avg_dtype == exp_avg_sq_dtype
-                               and exp_avg_dtype in (torch.float32, torch.bfloat16)):
-            raise RuntimeError(
-                "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be both "
-                "torch.float32 or both torch.bfloat16, got "
-                f"exp_avg_dtype={exp_avg_dtype} and exp_avg_sq_dtype={exp_avg_sq_dtype}.")
-        effective_remainders = bool(store_param_remainders and master_weights
-                                    and master_weight_dtype == torch.float32)
-        if capturable and effective_remainders:
-            raise RuntimeError("Capturable mode doesn't support storing param remainders")
-        if capturable:
-            raise RuntimeError("FusedAdam (npu_fsdp_patches) does not support capturable=True: "
-                               "CUDA-graph capture of the optimizer step is not implemented")
-        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-            if value < 0.0:
-                raise ValueError(f"Invalid {name}: {value}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"Invalid betas: {betas}")
-
+        effective_remainders = _check_options(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, capturable=capturable,
+            master_weights=master_weights, master_weight_dtype=master_weight_dtype, exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype, store_param_remainders=store_param_remainders)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
                     "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -147,3 +121,40 @@ class FusedAdam(torch.optim.Optimizer):
     def step(self, closure=None, grad_scaler=None):
         """One Adam/AdamW step; ``grad_scaler`` is accepted for API parity and unused."""
         return fused_adam_step.adam_step(self, closure, grad_scaler)
+
+
+def _check_options(*, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   amsgrad: bool, capturable: bool, master_weights: bool, master_weight_dtype: torch.dtype,
+                   exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype,
+                   store_param_remainders: bool) -> bool:
+    """Raise the constructor's errors, in TE's order and wording (docs/te_fused_adam.md#12-constructor-errors);
+    return whether param remainders take effect (only with fp32 master weights)."""
+    if amsgrad:
+        raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+    if master_weights and master_weight_dtype not in (torch.float32, torch.float16):
+        raise RuntimeError("FusedAdam only supports fp32/fp16 master weights.")
+    if exp_avg_dtype not in _STATE_DTYPES:
+        raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg.")
+    if exp_avg_sq_dtype not in _STATE_DTYPES:
+        raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 exp_avg_sq.")
+    if capturable and master_weights and master_weight_dtype != torch.float32:
+        raise RuntimeError("Capturable mode only supports fp32 master weights.")
+    if capturable and not (exp_avg_dtype == exp_avg_sq_dtype
+                           and exp_avg_dtype in (torch.float32, torch.bfloat16)):
+        raise RuntimeError(
+            "Capturable mode requires exp_avg_dtype and exp_avg_sq_dtype to be both "
+            "torch.float32 or both torch.bfloat16, got "
+            f"exp_avg_dtype={exp_avg_dtype} and exp_avg_sq_dtype={exp_avg_sq_dtype}.")
+    effective_remainders = bool(store_param_remainders and master_weights
+                                and master_weight_dtype == torch.float32)
+    if capturable and effective_remainders:
+        raise RuntimeError("Capturable mode doesn't support storing param remainders")
+    if capturable:
+        raise RuntimeError("FusedAdam (npu_fsdp_patches) does not support capturable=True: "
+                           "CUDA-graph capture of the optimizer step is not implemented")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if value < 0.0:
+            raise ValueError(f"Invalid {name}: {value}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Invalid betas: {betas}")
+    return effective_remainders
