@@ -1,4 +1,5 @@
 """Packaging (docs/design.md#2-layout): a fresh venv, a plain checkout on PYTHONPATH, then a non-editable install."""
+import ast
 import importlib.util
 import json
 import re
@@ -101,11 +102,28 @@ def test_pyproject_entry_points_match_the_builtin_table():
 
 
 def test_optim_exports_resolve_lazily_to_their_modules():
-    """Every public optim name resolves, and importing the package alone loads no implementation."""
+    """Every public optim name resolves; importing the package, asking for a name it lacks and
+    listing it load no implementation (and no torch)."""
     out = run_python("""
 import sys, npu_fsdp_patches.optim as optim
-before = sorted(m for m in sys.modules if m.startswith('npu_fsdp_patches.optim.'))
+loaded = lambda: sorted(m for m in sys.modules if m.startswith('npu_fsdp_patches.optim.') or m == 'torch')
+before = loaded()
+missing = hasattr(optim, 'not_a_name') or hasattr(optim, 'fused_adam') or hasattr(optim, '__wrapped__')
+listed = set(optim.__all__) <= set(dir(optim))
+after_lookups = loaded()
 names = {n: getattr(optim, n).__module__ for n in optim.__all__}
-print(before, names['build_muon_adamw'], len(names))
+print(before, after_lookups, missing, listed, names['build_muon_adamw'], optim.FusedAdam.__name__)
 """).stdout.split()
-    assert out[0] == "[]" and out[1] == "npu_fsdp_patches.optim.muon_routing"
+    assert out == ["[]", "[]", "False", "True", "npu_fsdp_patches.optim.muon_routing", "FusedAdam"], out
+
+
+def test_optim_type_checking_imports_name_every_lazy_export():
+    """The package's TYPE_CHECKING imports (what editors and type checkers see) and its lazy
+    ``_EXPORTS`` table name the same objects in the same modules."""
+    source = (REPO_ROOT / "npu_fsdp_patches" / "optim" / "__init__.py").read_text()
+    guarded = next(node for node in ast.parse(source).body
+                   if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    imported = {alias.name: node.module for node in guarded.body for alias in node.names}
+    table = ast.literal_eval(next(node.value for node in ast.parse(source).body
+                                  if isinstance(node, ast.Assign) and node.targets[0].id == "_EXPORTS"))
+    assert imported == table
