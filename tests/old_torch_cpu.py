@@ -1,9 +1,8 @@
 """Test-side shim for FSDP2 on CPU/gloo with older torch; installed only where a probe shows the
 gap, only in rank processes (``tests/_rank_main.py``). The plugin never touches collectives.
 
-FSDP2 reduce-scatters gradients with ``ReduceOp.AVG`` (torch 2.7.1 ``_fsdp_collectives.py:407``);
-  gloo in older torch sums instead (measured: the grad norm of a 2-rank FSDP2 model came out 2x the
-  unsharded one on torch 2.7.1). Where the probe sees that, AVG on gloo runs as SUM / group size.
+FSDP2 reduce-scatters gradients with ``ReduceOp.AVG``, which gloo in older torch sums instead
+  (docs/torch_adam.md#8-fsdp2-on-cpu). Where the probe sees that, AVG on gloo runs as SUM / group size.
 """
 import functools
 

@@ -36,13 +36,14 @@ from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 _SHIMS = (FIXTURES / "te_real_shim", FIXTURES / "te_torch_cpu")
-# The releases the suite verifies: 1.13 (one-argument initialize_state), the DTensor regression
-# (2.10, 2.11), implicit DTensor states (2.12, 2.13), the DTensor fix #2795 (2.14), the last release
-# with TE#3212 (2.17), its fix 868d8d92 (2.18) and the newest (2.20).
+# The releases the suite verifies (docs/te_fused_adam.md#14-dtensor-handling): 1.13 (one-argument
+# initialize_state), the DTensor regression (2.10, 2.11), implicit DTensor states (2.12, 2.13), the DTensor
+# fix (2.14), the last release that leaves an empty last shard's batch unlaunched (2.17), the first that
+# launches it (2.18) and the newest (2.20).
 RELEASES = ("1.13.0", "2.10.0", "2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.17.1", "2.18.0",
             "2.20.2")
-# TENPU RFC #43's NVTE comparison snapshot 42b84005 is the v2.15 tag (see the overlay's docstring);
-# the git blob of its transformer_engine/pytorch/optimizers/fused_adam.py, checked on the wheel's copy.
+# The NVTE release the TENPU stand-in overlays (docs/te_fused_adam.md#4-tenpu-distribution), and the
+# git blob of its transformer_engine/pytorch/optimizers/fused_adam.py, checked on the wheel's copy.
 TENPU_BASE = "2.15.0"
 TENPU_BASE_BLOB = "437dfa829eb2bb82cab7bd12a974636f3b09dffd"
 _TENPU_OVERLAY = FIXTURES / "te_npu_prefix"

@@ -1,7 +1,7 @@
 """examples/megatron_te_fused_adam.py on 2 CPU ranks: Megatron-Core 0.16.1's factory builds TE 2.11's
 real FusedAdam (tests/te_real.py) on FSDP2 DTensor params; with the plugin its states are DTensors and
 its steps match torch AdamW; without te_fused_adam_dtensor TE 2.11 keeps plain global-shape states
-(NVIDIA/TransformerEngine#2424) and the example's check fails (exit 1)."""
+(docs/te_fused_adam.md#14-dtensor-handling) and the example's check fails (exit 1)."""
 import re
 
 import pytest
@@ -41,5 +41,5 @@ def test_megatron_te_example_fails_without_the_patch():
     proc = _run({"NPU_FSDP_PATCHES_DISABLE": "te_fused_adam_dtensor"})
     assert proc.returncode == 1, failure_report(proc)
     assert "te_fused_adam_dtensor disabled" in proc.stdout, proc.stdout
-    assert "states laid out like their params: False" in proc.stdout, proc.stdout     # TE 2.11: #2424
+    assert "states laid out like their params: False" in proc.stdout, proc.stdout     # TE 2.11's global-shape states
     assert "FAILED: optimizer states are not laid out like their DTensor params" in proc.stderr

@@ -20,7 +20,7 @@ def test_passes_on_cpu_with_documented_schema():
                               "single_tensor_mismatches", "fp32_then_round_mismatches"}
         assert entry["passed"] and entry["mismatches"] == 0 and entry["first_mismatch"] is None
     assert report["passed"]
-    # issue #700's rejected fix (fp32 maths then .to(bf16)) drifts on the same data
+    # the rejected fix (fp32 maths then .to(bf16), docs/hyper_parallel.md#18-issue-700) drifts on the same data
     assert report["dtypes"]["bfloat16"]["fp32_then_round_mismatches"] > 0
 
 

@@ -1,6 +1,6 @@
 """te_initialize_state_compat: real megatron-core 0.16.1 on TE 2.11's real FusedAdam (tests/te_real.py).
 
-Megatron-Core's ``init_state_fn`` (megatron/core/optimizer/__init__.py, 0.16.1 L391-399) calls
+Megatron-Core's ``init_state_fn`` (``megatron/core/optimizer/__init__.py``) calls
 ``opt.initialize_state(p)`` with one argument; TE >= 2.1 requires two
 (docs/te_fused_adam.md#22-initialize_state-call-sites).
 
@@ -13,9 +13,10 @@ CPU blockers, all in megatron-core 0.16.1 itself (so the callers of init_state_f
   and ``DistributedOptimizer`` never calls ``init_state_fn`` in 0.16.1.
 * Both callers need CUDA in their constructors: ``Float16OptimizerWithFloat16Params`` accepts only
   ``torch.cuda.*`` param types and ``FP32Optimizer.__init__`` does
-  ``torch.tensor([1.0], device='cuda')`` (optimizer.py L907). That raises ``AssertionError`` on a
-  CPU wheel and ``RuntimeError`` on a CUDA wheel without a visible GPU (the registry's torch 2.6.0,
-  2.7.1 and 2.10.0); the child hides any GPU, so the path is the same on every wheel and machine.
+  ``torch.tensor([1.0], device='cuda')`` (docs/te_fused_adam.md#22-initialize_state-call-sites). That
+  raises ``AssertionError`` on a CPU wheel and ``RuntimeError`` on a CUDA wheel without a visible GPU
+  (the registry's torch 2.6.0, 2.7.1 and 2.10.0); the child hides any GPU, so the path is the same on
+  every wheel and machine.
 So the test runs Megatron's own factory ``_get_megatron_optimizer_based_on_param_groups`` with a
 validated precision-aware config (distributed flag cleared after validation): Megatron builds the TE
 FusedAdam with its own kwargs and defines ``init_state_fn``, then stops at the CUDA tensor of

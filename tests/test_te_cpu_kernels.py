@@ -2,7 +2,8 @@
 
 Its Adam kernels must agree with a float64 AdamW/Adam to fp32 rounding, the int16-remainder kernel
 must carry exactly the fp32 master of the master-weight kernel, and its launcher must drop a
-pending batch behind an empty last tensor up to TE 2.17 (TE#3212) and reject it from 2.18.
+pending batch behind an empty last tensor up to TE 2.17 and reject it from 2.18
+(docs/te_fused_adam.md#14-dtensor-handling).
 """
 from tests.support import install_fixture, run_python
 
@@ -97,7 +98,7 @@ p = torch.ones(4); before = p.clone()
 tex.multi_tensor_adam(64, None, [[torch.ones(4), torch.ones(0)], [p, torch.ones(0)],
                                  [torch.zeros(4), torch.zeros(0)], [torch.zeros(4), torch.zeros(0)]],
                       1e-2, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
-assert torch.equal(p, before)  # TE#3212 up to v2.17
+assert torch.equal(p, before)  # batch dropped up to v2.17
 tex.RELEASE = (2, 18)
 try:
     tex.launched_chunks([4, 0], 2, 4)

@@ -20,7 +20,7 @@ def _site(flavor, tmp_path):
 
 UNPATCHED_ERRORS = {
     "tenpu": "NotImplementedError: FusedAdam on NPU does not support DTensor",
-    # real 2.10/2.11 train fp32 DTensors silently with global-shape plain states (#2424):
+    # real 2.10/2.11 train fp32 DTensors silently with global-shape plain states:
     # no error here; tests/test_te_real.py shows the wrong result and the master-weight crash
     "nvte211": None,
 }
@@ -167,8 +167,8 @@ def test_stands_down_when_the_installed_class_handles_dtensor(tmp_path):
     src = path.read_text()
     out = run_python(_STATUS, paths=[site], env=_ENV).stdout
     assert '"te_fused_adam_dtensor": ["applied"' in out  # control: the pre-fix class
-    # the fix itself (TENPU 5c85c0d's _wrap_state, NVTE #2795): states re-wrapped with the
-    # param's layout; skip_unscale alone (#2632, one release before #2795) is not the fix
+    # the fix itself (docs/te_fused_adam.md#5-gates): states re-wrapped with the param's layout;
+    # skip_unscale alone (one release earlier) is not the fix
     path.write_text(src.replace(
         "def get_unscaled_state(self, param, state_name):",
         "def get_unscaled_state(self, param, state_name, skip_unscale=False):"))

@@ -58,7 +58,7 @@ def _runs(results, tag, config):
 def test_te_own_code_shows_the_known_failure(launch):
     """The negative controls: what each release's own code does with Megatron-FSDP's shapes."""
     version, world, results = launch
-    if version == "2.11.0":  # global-shape states (TE#2424): resume does not continue the run
+    if version == "2.11.0":  # global-shape states: resume does not continue the run
         for config in ("fp32", "grad_fp32", "bf16param_bf16m"):
             lost = [o["resume"]["mismatch"] for _, _, o in _runs(results, "unpatched", config) if not o["error"]]
             assert lost and all(lost), (config, lost)
@@ -68,8 +68,9 @@ def test_te_own_code_shows_the_known_failure(launch):
 
 
 def test_empty_shards_never_reach_te_kernel(launch):
-    """TE#3212 needs an empty tensor in a multi-tensor call; Megatron-FSDP hands None grads on empty
-    shards (param_and_grad_buffer.py:2988-2989), so its steps never give TE's kernel one:
+    """TE's unlaunched-batch bug needs an empty tensor in a multi-tensor call; Megatron-FSDP hands None
+    grads on empty shards (docs/te_fused_adam.md#23-megatron-fsdp-checkpoints), so its steps never give
+    TE's kernel one:
     te_multi_tensor_apply_empty_tail is defensive for Megatron-FSDP (needed for torch FSDP2)."""
     version, world, results = launch
     seen = [o["kernel_smallest"] for tag in ("unpatched", "patched") for r in results
@@ -78,7 +79,8 @@ def test_empty_shards_never_reach_te_kernel(launch):
 
 
 def test_fp16_moments_do_not_round_trip_megatron_raw_state(launch):
-    """Megatron's fsdp_dtensor state is the optimizer's raw ``state`` (distrib_optimizer.py:1590-1598):
+    """Megatron's fsdp_dtensor state is the optimizer's raw ``state``
+    (docs/te_fused_adam.md#23-megatron-fsdp-checkpoints):
     fp16 moments are saved scaled, without ``_scales``, and TE's load_state_dict reads them as unscaled.
     Upstream behaviour, the same with and without the patches; recorded so a change is noticed."""
     version, world, results = launch
@@ -91,7 +93,7 @@ def test_fp16_moments_do_not_round_trip_megatron_raw_state(launch):
 
 def test_flipped_master_weights_take_any_remainder_value():
     """TE's step calls initialize_state(p, store_param_remainders and bf16) after Megatron-Core set
-    master_weights False on the built optimizer (core_v0.18.0 optimizer/__init__.py:1087)."""
+    master_weights False on the built optimizer (docs/te_fused_adam.md#22-initialize_state-call-sites)."""
     import torch
 
     from npu_fsdp_patches.optim import FusedAdam

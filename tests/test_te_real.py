@@ -44,13 +44,13 @@ def _assert_known_failure(version, world, results):
     """The negative control: TE's own code of ``version`` shows its documented failure."""
     u = [r["unpatched"] for r in results]
     last = world - 1  # holds an empty shard of the last param
-    if version in ("2.10.0", "2.11.0"):  # plain global-shape states (c5257605, TE#2424)
+    if version in ("2.10.0", "2.11.0"):  # plain global-shape states
         assert "mixed torch.Tensor and DTensor" in u[0]["bf16_master"]["error"]
         assert u[0]["fp32"]["error"] is None and u[0]["fp32"]["layout_ok"] is False
         assert u[0]["fp32"]["max_err"] > 1e-3  # trains silently wrong
     elif version in ("2.12.0", "2.13.0"):  # get_unscaled_state: unscaled.mul_(scale) on a DTensor
         assert any("Sharding propagation failed" in (x["fp16_moments"]["error"] or "") for x in u)
-    if version < "2.18":  # TE#3212: the rank never launches its pending batch
+    if version < "2.18":  # the rank never launches its pending batch behind an empty shard
         assert u[last]["fp32"]["updated"][:2] == [False, False], u[last]["fp32"]
     else:
         assert u[last]["fp32"]["updated"] == [True] * 3 and u[0]["fp32"]["max_err"] < 1e-6

@@ -7,7 +7,7 @@ product behaviour on that torch (a clear error) is tested separately, never skip
 import pytest
 import torch
 
-#: torch.optim.Muon exists from torch 2.9 (pytorch/pytorch#160213)
+#: torch.optim.Muon exists from torch 2.9 (docs/torch_adam.md#7-muon)
 HAS_MUON = hasattr(torch.optim, "Muon")
 #: torch >= 2.7: AdamW subclasses Adam and both step through torch.optim.adam.adam;
 #: torch 2.6: AdamW steps through its own torch.optim.adamw.adamw (_multi_tensor_adamw, ...)
@@ -39,9 +39,8 @@ def adam_module_for(cls: type):
     import torch.optim.adamw as adamw_module
     return adam_module if issubclass(cls, torch.optim.Adam) else adamw_module
 
-#: FSDP2 forward/backward on CPU needs torch >= 2.7: torch 2.6's torch.cpu.Stream has no record_event
-#: (torch 2.6 _fsdp_collectives.py:171), and with a no-op one its backward still fails ("modified by an
-#: inplace operation"); the optim paths on torch DTensors run in test_layouts.py on every torch
+#: FSDP2 forward/backward on CPU needs torch >= 2.7, whose torch.cpu.Stream has record_event
+#: (docs/torch_adam.md#8-fsdp2-on-cpu); the optim paths on torch DTensors run in test_layouts.py on every torch
 FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
 needs_fsdp2_on_cpu = pytest.mark.skipif(
     not FSDP2_ON_CPU,

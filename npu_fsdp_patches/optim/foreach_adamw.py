@@ -1,10 +1,10 @@
 """torch's own multi-tensor (foreach) Adam/AdamW step, run on the local shards of DTensor params.
 
 Why: under hyper-parallel's ``SkipDTensorDispatch`` a stock ``optimizer.step()`` on bf16 params can drift by
-one bf16 ulp from torch FSDP2 (mindspore-ai/hyper-parallel#700, docs/hyper_parallel.md#18-issue-700). torch
+one bf16 ulp from torch FSDP2 (docs/hyper_parallel.md#18-issue-700). torch
 FSDP2 on an accelerator runs ``_multi_tensor_adam``, because torch registers its own DTensor in
 ``_foreach_supported_types``; hyper's DTensor is not registered, so ``foreach=None`` silently takes
-``_single_tensor_adam`` (docs/torch_adam.md#2-dispatch; docs/hyper_parallel.md #12-dtensor-and-op-dispatch).
+``_single_tensor_adam`` (docs/torch_adam.md#2-dispatch; docs/hyper_parallel.md#12-dtensor-and-op-dispatch).
 Bit-exactness needs the *same kernel path*, not more precise math: ``_foreach_addcdiv_`` with a scalar list on
 the bf16 shards, never fp32 math followed by ``.to(bf16)``.
 

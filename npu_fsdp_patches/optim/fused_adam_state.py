@@ -247,9 +247,9 @@ def resolve_remainders(opt, param: torch.Tensor, value: Optional[bool]) -> bool:
 
     ``None`` derives it from the optimizer's configuration (effective only for bf16 params with fp32
     master weights); an explicit value that contradicts the configuration is a ``ValueError``.
-    Without master weights the value is moot (no ``master_param`` is made) and any value is taken:
-    TE's own step passes ``store_param_remainders and bf16`` even after ``master_weights`` was set False
-    on a built optimizer, as Megatron-Core 0.18 does for Megatron-FSDP (optimizer/__init__.py:1087).
+    Without master weights the value is moot (no ``master_param`` is made) and any value is taken: a
+    step passes ``store_param_remainders and bf16`` even after ``master_weights`` was turned off on a
+    built optimizer (docs/te_fused_adam.md#22-initialize_state-call-sites).
     Read at call time, never cached.
     """
     derived = bool(opt.master_weights) and uses_remainders(opt, param)

@@ -42,7 +42,8 @@ _FUSED_DEVICES = frozenset(_fused_devices())
 
 
 def _foreach_adam(ws, gs, ms, vs, step, lr, beta1, beta2, eps, wd, bias_correction) -> None:
-    """NVTE kernel math (adam.cu, mode AdamW) in foreach ops; used where no fused kernel exists."""
+    """The fused kernel's AdamW math (docs/te_fused_adam.md#17-kernel-math) in foreach ops; used where
+    no fused kernel exists."""
     bc1 = 1 - beta1 ** step if bias_correction else 1.0
     bc2 = 1 - beta2 ** step if bias_correction else 1.0
     torch._foreach_mul_(ms, beta1)
@@ -90,7 +91,7 @@ def adamw_kernel(ws, gs, ms, vs, *, step: int, lr: float, beta1: float, beta2: f
 # ----------------------------------------------------------------------------- bf16 remainders
 
 def merge_remainders(param16: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
-    """fp32 master from bf16 bits + int16 remainder (NVTE AdamFunctorMasterParamRemainder)."""
+    """fp32 master from bf16 bits + int16 remainder (docs/te_fused_adam.md#16-param-remainders)."""
     hi = param16.view(torch.int16).to(torch.int64) - (rem < 0).to(torch.int64)
     bits = ((hi & 0xFFFF) << 16) | (rem.to(torch.int64) & 0xFFFF)
     bits = bits - (bits >= 2 ** 31).to(torch.int64) * 2 ** 32

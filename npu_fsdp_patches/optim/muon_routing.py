@@ -63,7 +63,7 @@ class OptimizerChain:
 
 
 def torch_muon_class() -> type:
-    """``torch.optim.Muon``; a clear error on torch < 2.9, which has none (pytorch/pytorch#160213)."""
+    """``torch.optim.Muon``; a clear error on torch < 2.9, which has none (docs/torch_adam.md#7-muon)."""
     muon = getattr(torch.optim, "Muon", None)
     if muon is None:
         raise RuntimeError(f"torch.optim.Muon needs torch >= 2.9 (this is torch {torch.__version__}); "

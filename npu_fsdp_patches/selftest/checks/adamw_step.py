@@ -3,9 +3,9 @@
 On one device, single process, for bf16 and fp32 params it runs 50 AdamW steps with grads from far
 below one bf16 ulp up to O(1) and compares, bit for bit after every step, ``foreach_adamw_step``
 with the reference ``torch.optim.AdamW(foreach=True)`` (the aten ``_foreach_*`` kernels torch FSDP2
-runs on its local shards). For information it also counts how far the two paths issue #700 names as
-wrong drift from the reference on this device: torch's single-tensor path (what a stock step picks
-for hyper-parallel DTensors) and fp32 math followed by ``.to(dtype)``.
+runs on its local shards). For information it also counts how far two wrong paths drift from the
+reference on this device (docs/hyper_parallel.md#18-issue-700): torch's single-tensor path (what a
+stock step picks for hyper-parallel DTensors) and fp32 math followed by ``.to(dtype)``.
 """
 from __future__ import annotations
 
@@ -124,7 +124,8 @@ def _grads(step: int) -> list:
 
 @torch.no_grad()
 def _fp32_then_round_step(optimizer: torch.optim.AdamW) -> None:
-    """Issue #700's rejected fix: AdamW maths in fp32, then ``.to(dtype)`` of param and moments."""
+    """The rejected fix (docs/hyper_parallel.md#18-issue-700): AdamW maths in fp32, then ``.to(dtype)``
+    of param and moments."""
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         for p in group["params"]:

@@ -83,8 +83,8 @@ def _snapshot(model: nn.Module, opt: MainParamsOptimizer) -> dict:
 
 def run(ctx: Context) -> dict:
     if ctx.device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
-        # torch 2.6's FSDP2 waits on torch.cpu.Stream.record_event, which it lacks (torch 2.6
-        # _fsdp_collectives.py:171); device streams (npu, cuda) have it
+        # FSDP2 on CPU waits on a stream event that torch.cpu.Stream lacks before 2.7
+        # (docs/torch_adam.md#8-fsdp2-on-cpu); device streams (npu, cuda) have it
         return {"skipped": f"FSDP2 training on CPU needs torch >= 2.7 (torch.cpu.Stream.record_event); "
                            f"this is torch {torch.__version__}"}
     checkpoint = os.path.join(ctx.workdir, NAME)
