@@ -1,8 +1,10 @@
-"""Find patch implementations: the built-ins, plus the ``npu_fsdp_patches.patches`` entry-point group.
+"""Find patch implementations: the built-ins in ``patches/``, plus the ``npu_fsdp_patches.patches``
+entry-point group for third-party patches.
 
-The built-in patches register in that group through our own pyproject. Run from a plain checkout
-(no installed metadata), the top-level ``patches/`` folder is mounted as ``npu_fsdp_patches.patches``
-and its ``BUILTIN_PATCHES`` table stands in for the missing entry points.
+A built-in is a ``Patch`` class that a module of ``npu_fsdp_patches.patches`` declares
+(:mod:`.declarations`): adding the module adds the patch, no list names it. From a source checkout
+the top-level ``patches/`` folder is mounted as that package. The table is read from the modules'
+source and stored like the matrix (:func:`.matrix_cache.cached`), so activation parses nothing.
 
 Trust model: a patch runs inside the user's training step, so registering in the group is as powerful
 as installing code. Built-ins always win: a third-party entry point that reuses a built-in's name is
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +24,8 @@ from . import dists
 GROUP = "npu_fsdp_patches.patches"
 BUILTIN_PACKAGE = "npu_fsdp_patches.patches"
 OUR_DISTRIBUTION = "npu-fsdp-patches"
+#: the core files the built-in table is derived by
+_READER_FILES = ("declarations.py", "loader.py")
 
 
 class Provider(NamedTuple):
@@ -40,10 +45,13 @@ class Provider(NamedTuple):
 
 
 def _mount_checkout_patches() -> None:
-    """Make ``npu_fsdp_patches.patches`` importable from a source checkout's top-level patches/."""
-    if BUILTIN_PACKAGE in sys.modules or importlib.util.find_spec(BUILTIN_PACKAGE) is not None:
-        return
-    folder = Path(__file__).resolve().parent.parent / "patches"
+    """Make ``npu_fsdp_patches.patches`` the patches/ of the same tree as this core: in a source checkout
+    (an editable install included) the top-level patches/ folder next to the package is mounted as it,
+    so a checkout on PYTHONPATH never runs the built-ins of another install."""
+    here = Path(__file__).resolve().parent
+    if BUILTIN_PACKAGE in sys.modules or (here / "patches" / "__init__.py").is_file():
+        return   # installed: the subpackage imports as usual
+    folder = here.parent / "patches"
     init = folder / "__init__.py"
     if not init.is_file():
         return
@@ -54,13 +62,51 @@ def _mount_checkout_patches() -> None:
     spec.loader.exec_module(module)
 
 
-def builtin_table() -> dict:
-    """name -> "module:Class" of the patches shipped with the plugin."""
+def _builtin_path() -> list:
+    """The folders of ``npu_fsdp_patches.patches`` (its ``__path__``); empty when there is none."""
     _mount_checkout_patches()
     try:
-        return dict(importlib.import_module(BUILTIN_PACKAGE).BUILTIN_PATCHES)
+        return list(importlib.import_module(BUILTIN_PACKAGE).__path__)
     except (ImportError, AttributeError):
-        return {}
+        return []
+
+
+def builtin_declarations() -> list:
+    """Every built-in patch class as its module declares it (:class:`.declarations.Declared`)."""
+    from . import declarations  # pylint: disable=import-outside-toplevel  (ast: not on the activation path)
+
+    return declarations.read_package(BUILTIN_PACKAGE, _builtin_path())
+
+
+def _read_builtin_table() -> dict:
+    return {d.name: d.value for d in builtin_declarations()}
+
+
+def builtin_table() -> dict:
+    """name -> "module:Class" of the patches shipped with the plugin (derived from ``patches/``)."""
+    path = _builtin_path()
+    stamp = _stamp(path)
+    if stamp is None:
+        return _read_builtin_table()
+    from . import matrix_cache  # pylint: disable=import-outside-toplevel
+
+    return dict(matrix_cache.cached("builtin_patches", stamp, _read_builtin_table))
+
+
+def _stamp(path: list) -> tuple | None:
+    """What the built-in table depends on: Python, the reader's code and the patch sources (name, size,
+    mtime); None where a folder cannot be listed (a zip): the sources are then read each time."""
+    if not path:
+        return None
+    files = [(os.path.dirname(os.path.abspath(__file__)), name) for name in _READER_FILES]
+    try:
+        for folder in path:
+            with os.scandir(folder) as entries:
+                files += [(folder, e.name) for e in entries if e.name.endswith(".py")]
+        stats = [(folder, name, os.stat(os.path.join(folder, name))) for folder, name in sorted(files)]
+    except OSError:
+        return None
+    return (sys.version, *((folder, name, st.st_size, st.st_mtime_ns) for folder, name, st in stats))
 
 
 def discover() -> tuple:
@@ -71,7 +117,7 @@ def discover() -> tuple:
     offers: dict = {}
     for dist in dists.installed().values():
         for name, value in dist.entry_points(GROUP):
-            if builtins.get(name) == value:   # our own registration of a built-in
+            if builtins.get(name) == value:   # an older install of ours still registers its built-ins
                 continue
             offers.setdefault(name, []).append(Provider(value, dist.name, dist.version, False))
     conflicts = {}

@@ -78,8 +78,8 @@ def _key(text: str, path: str) -> tuple | None:
     return (FORMAT, sys.version, path, code.st_size, code.st_mtime_ns, text)
 
 
-def _locations() -> list:
-    name = f"compat_matrix.{sys.implementation.cache_tag}.marshal"
+def _locations(stem: str) -> list:
+    name = f"{stem}.{sys.implementation.cache_tag}.marshal"
     folders = [os.path.join(os.path.dirname(os.path.abspath(matrix.__file__)), "__pycache__")]
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folders.append(os.path.join(home, "npu_fsdp_patches"))
@@ -117,16 +117,22 @@ def _write(locations: list, key: tuple, found) -> None:
                 pass
 
 
+def cached(stem: str, key: tuple, compute: Callable[[], object]):
+    """``compute()``, or the result stored under ``stem`` for exactly ``key`` (which must hold everything
+    the result depends on). Also serves the built-in patch table (:mod:`npu_fsdp_patches.loader`)."""
+    locations = _locations(stem)
+    for location in locations:
+        found = _read(location, key)
+        if found is not None:
+            return found
+    found = compute()
+    _write(locations, key, found)
+    return found
+
+
 def load(text: str, path: str, parse: Callable[[str, str], "matrix.Matrix"]) -> "matrix.Matrix":
     """``parse(text, path)``, or its stored result for exactly this text, matrix.py and Python."""
     key = _key(text, path)
     if key is None:
         return parse(text, path)
-    locations = _locations()
-    for location in locations:
-        found = _read(location, key)
-        if found is not None:
-            return found
-    found = parse(text, path)
-    _write(locations, key, found)
-    return found
+    return cached("compat_matrix", key, lambda: parse(text, path))

@@ -21,12 +21,14 @@ at the original's qualified name), and its frame is kept out of torch.compile's 
 (:mod:`npu_fsdp_patches.frames`), so a compiled step breaks its graph exactly where the unpatched one does.
 
 A target is ``"module.path:Qualified.name"``; a trailing ``?`` marks it optional (absent in some
-framework generations). Patches are found through the entry-point group ``npu_fsdp_patches.patches``
-(entry-point name = patch name = matrix key).
+framework generations). The built-in patches are the subclasses defined in ``patches/``; third-party
+ones register in the entry-point group ``npu_fsdp_patches.patches`` (entry-point name = patch name =
+matrix key). ``name``, ``self_test`` and the class docstring are read from the source too
+(:mod:`npu_fsdp_patches.declarations`), so they are literals.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 #: the marker attributes every replacement built by :meth:`Patch.replacement` carries
 PATCH_MARK = "__npu_fsdp_patch__"
@@ -145,10 +147,14 @@ def _defined_elsewhere(original: Any, module: str, qualname: str) -> bool:
 
 
 class Patch:
-    """Subclass, set ``name`` and ``factories``; optionally add the probe method the matrix names."""
+    """Subclass, set ``name`` and ``factories``; optionally add the probe method the matrix names and
+    ``self_test``. The subclass's docstring is the patch's one paragraph in docs/patches.md and explain."""
 
-    #: stable id; must equal the entry-point name and the compat_matrix.yaml key
+    #: stable id; must equal the compat_matrix.yaml key (and a third-party patch's entry-point name)
     name: ClassVar[str] = ""
+    #: the self-test check that verifies this patch: {"name": shown name, "order": run order,
+    #: "run": "module:function"} with ``function(ctx) -> dict`` (npu_fsdp_patches.selftest), or None
+    self_test: ClassVar[Optional[Mapping[str, Any]]] = None
     #: target attribute -> factory(original) -> replacement; every matrix target needs an entry
     factories: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
 

@@ -72,6 +72,13 @@ def _load_checkpoint(original):
 
 
 class HpFp32MainParams(Patch):
+    """`npu_fsdp_patches.optim.MainParamsOptimizer` gives every bf16/fp16 trainable param an fp32
+    `main_param` (local shard to local shard), steps AdamW and Muon on them unchanged, and copies back;
+    it reads `p.main_grad` when hyper writes one. At `hyper_parallel.trainer.base` (or the older
+    `hyper_parallel.auto_models.trainer.base`), `BaseTrainer.__init__` validates the config before any
+    model is built, `_build_optimizer` wraps the optimizer when `optimizer.fp32_main_params` is true,
+    and the trainer's checkpoint save/load go through `save_checkpoint`/`load_checkpoint`."""
+
     name = "hp_fp32_main_params"
     factories = {"__init__": _init, "_build_optimizer": _build_optimizer,
                  "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}

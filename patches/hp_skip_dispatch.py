@@ -1,6 +1,6 @@
 """Patch ``hp_skip_dispatch_adamw``: torch Adam/AdamW under hyper-parallel's SkipDTensorDispatch
-computes exactly what torch FSDP2 computes (mindspore-ai/hyper-parallel#700,
-docs/hyper_parallel.md#18-issue-700; docs/design.md#44-hp_skip_dispatch_adamw).
+computes exactly what torch FSDP2 computes (docs/hyper_parallel.md#18-issue-700;
+docs/design.md#44-hp_skip_dispatch_adamw).
 
 Targets: torch's functional ``torch.optim.adam:adam``, which ``Adam.step`` and (torch >= 2.7)
 ``AdamW.step`` look up as a module global on every step, and ``torch.optim.adamw:adamw``, which
@@ -76,7 +76,16 @@ def _is_hyper_dtensor(t: Any) -> bool:
 
 
 class HpSkipDispatchAdamW(Patch):
+    """`npu_fsdp_patches.optim.foreach_adamw_step(optimizer)` runs one Adam/AdamW step with torch's own
+    functional `adam(foreach=True)` on the local shards, following the installed torch op for op. The
+    patch wraps `torch.optim.adam:adam` (and on torch 2.6 `torch.optim.adamw:adamw`, where AdamW is not
+    an Adam subclass): inside `SkipDTensorDispatch` (both hyper generations), an Adam/AdamW step over
+    hyper DTensors runs what torch would run for its own DTensor. Outside the context nothing changes.
+    It covers a plain `optimizer.step()`, hyper's trainer and the veomni fork's `wrap_optimizer`."""
+
     name = "hp_skip_dispatch_adamw"
+    self_test = {"name": "hyper_skip_dispatch", "order": 60,
+                 "run": "npu_fsdp_patches.selftest.checks.hyper_skip_dispatch:run"}
     #: torch >= 2.7 steps both Adam and AdamW through ``adam``; torch 2.6's AdamW through ``adamw``
     factories = {"adam": routed_adam, "adamw": routed_adam}
 
@@ -84,7 +93,7 @@ class HpSkipDispatchAdamW(Patch):
         """Stand down when hyper-parallel registers its DTensor in torch's foreach-supported types
         (``torch.optim.optimizer._foreach_supported_types``, where torch registers its own DTensor).
 
-        That is the root cause named in issue #700: once registered, torch picks the same implementation
+        That is the root cause of the drift: once registered, torch picks the same implementation
         for hyper params as for its own DTensor, and under SkipDTensorDispatch every foreach op runs on
         the local shards, so the stock step already equals torch FSDP2. Read from the loaded classes
         when hyper is imported, else from its sources (the hook fires while torch is still importing,

@@ -1,11 +1,10 @@
 """Patch ``te_fused_adam_empty_scale``: fp16 moments crash on a rank that holds an empty shard.
 
 ``FusedAdam._apply_scale`` computes the fp16 state scale with ``torch.aminmax(unscaled_state)``,
-which raises "cannot compute aminmax over an empty dimension" for a zero-numel local shard
-(transformer_engine/pytorch/optimizers/fused_adam.py ``_apply_scale``, unchanged from v2.14 to
-v2.20.2; reached on every step once #2795 (v2.14) hands it local shards). An empty state has
-nothing to scale: the replacement returns without touching ``scaled_state`` or ``scale`` (which
-keeps its initial 1.0) and calls TE's original for every non-empty state.
+which raises "cannot compute aminmax over an empty dimension" for a zero-numel local shard. An empty
+state has nothing to scale: the replacement returns without touching ``scaled_state`` or ``scale``
+(which keeps its initial 1.0) and calls TE's original for every non-empty state. Releases and
+upstream status: compat_matrix.yaml, docs/patches.md.
 """
 from __future__ import annotations
 
@@ -23,6 +22,9 @@ def _apply_scale(original):
 
 
 class TeFusedAdamEmptyScale(Patch):
+    """An empty state returns early (nothing to scale; its scale stays 1); anything else goes to TE's
+    original."""
+
     name = "te_fused_adam_empty_scale"
     factories = {"_apply_scale": _apply_scale}
 

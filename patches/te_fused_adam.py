@@ -136,7 +136,19 @@ def _hooked_step(original):
 
 
 class TeFusedAdamDTensor(Patch):
+    """The patch grafts `npu_fsdp_patches.optim.FusedAdam`'s DTensor path onto the installed class
+    (`step`, `_initialize_state`, `get_unscaled_state`, `set_scaled_state`, `state_dict`,
+    `load_state_dict`, and TE-NPU's `_check_unsupported_param_type`). DTensor params are updated on
+    their local shard with no collective added; states are DTensors with the param's layout;
+    `state_dict()` works with `torch.distributed.checkpoint`, also at another world size. The class
+    object is kept, so `from ... import FusedAdam` and `isinstance` keep working. An optimizer holding
+    only plain tensors runs TE's original code bit for bit. Two behaviours differ from TE on purpose: an
+    fp32 param with master weights also refreshes its master copy each step, and the group step advances
+    for empty groups."""
+
     name = "te_fused_adam_dtensor"
+    self_test = {"name": "te_fused_adam", "order": 50,
+                 "run": "npu_fsdp_patches.selftest.checks.te_fused_adam:run"}
     factories = {
         "step": _hooked_step, "state_dict": _state_dict, "load_state_dict": _load_state_dict,
         "_initialize_state": _initialize_state, "get_unscaled_state": _get_unscaled_state,
@@ -145,13 +157,12 @@ class TeFusedAdamDTensor(Patch):
     }
 
     def upstream_handles_dtensor(self) -> bool:
-        """True when the installed FusedAdam already keeps DTensor states (NVTE >= 2.14, fixed TENPU).
+        """True when the installed FusedAdam already keeps DTensor states (stand down).
 
-        Tests the fix itself: NVTE #2795 (v2.14, a4a073bb on release_v2.14) and TENPU 5c85c0d both
-        re-wrap each local state with ``DTensor.from_local(..., shape=..., stride=...)`` of its
-        param. No pre-fix class has that call (NVTE <= 2.13 allocate plain or implicit-DTensor
-        states; pre-fix TENPU rejects DTensor). ``get_unscaled_state(..., skip_unscale)`` is not
-        evidence: it arrived one release earlier, in 2.13 (#2632), without the fix.
+        Tests the fix itself: the fixed NVTE and TENPU classes re-wrap each local state with
+        ``DTensor.from_local(..., shape=..., stride=...)`` of its param, and no pre-fix class has that
+        call (which releases: compat_matrix.yaml). ``get_unscaled_state(..., skip_unscale)`` is not
+        evidence: it arrived one release before the fix.
         """
         import importlib
         cls = importlib.import_module(FUSED_ADAM_MODULE).FusedAdam

@@ -1,17 +1,13 @@
 """Patch ``te_initialize_state_compat``: one-argument ``initialize_state(param)`` on TE >= 2.1.
 
-Megatron-Core calls ``opt.initialize_state(p)`` (init_state_fn, 0.11 ... main), but TE >= 2.1 made
-``store_param_remainders`` a required positional (docs/te_fused_adam.md#13-method-signatures,
-#22-initialize_state-call-sites). The replacement makes the argument optional: ``None`` derives the value from
-the optimizer's own configuration (remainders only for bf16 params with fp32 master weights, TE's step rule),
-an explicit value that contradicts it raises ``ValueError`` (moot, so accepted, while ``master_weights`` is
-off), and the original method is called with the value. Flags are read at call time.
-
-Defensive: under stock argument validation no known caller reaches the one-argument form (Megatron-Core
-core_v0.18.0 optimizer/__init__.py:596 needs a precision-aware config without the distributed optimizer,
-which optimizer_config.py:424-430 rejects; MindSpeed muon/adaptor.py:353 sits behind its own refusal at
-:309-310). It fires when user code changes the config after validation or calls ``initialize_state(p)``
-itself (docs/te_fused_adam.md#22-initialize_state-call-sites).
+Megatron-Core calls ``opt.initialize_state(p)``, but TE >= 2.1 made ``store_param_remainders`` a
+required positional (docs/te_fused_adam.md#13-method-signatures). The replacement makes the argument
+optional: ``None`` derives the value from the optimizer's own configuration (remainders only for bf16
+params with fp32 master weights, TE's step rule), an explicit value that contradicts it raises
+``ValueError`` (moot, so accepted, while ``master_weights`` is off), and the original method is called
+with the value. Flags are read at call time. Which callers reach the one-argument form (under stock
+validation none does: the patch is defensive): compat_matrix.yaml and
+docs/te_fused_adam.md#22-initialize_state-call-sites.
 """
 from __future__ import annotations
 
@@ -30,6 +26,10 @@ def _initialize_state(original):
 
 
 class TeInitializeStateCompat(Patch):
+    """The argument becomes optional: the missing value is derived from the optimizer's configuration
+    (remainders only for bf16 params with fp32 master weights); an explicit value that contradicts it
+    raises `ValueError`."""
+
     name = "te_initialize_state_compat"
     factories = {"initialize_state": _initialize_state}
 

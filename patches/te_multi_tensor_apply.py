@@ -1,12 +1,11 @@
-"""Patch ``te_multi_tensor_apply_empty_tail``: TE#3212, a rank whose last tensor is empty never steps.
+"""Patch ``te_multi_tensor_apply_empty_tail``: a rank whose last tensor is empty never steps.
 
-TE's CUDA launcher (``transformer_engine/common/multi_tensor/multi_tensor_apply.cuh``) flushes its
-pending batch at the last chunk of the last tensor. A zero-numel tensor has no chunk, so when the
-last tensor of a call is empty (an empty local shard at the end of a param group, common with
-FSDP2 on uneven params) nothing pending is launched and the rank's params silently stay as they
-were (NVIDIA/TransformerEngine#3207). Upstream fixed it in 868d8d92 (#3212, in v2.18) by dropping
-zero-numel slots in ``MultiTensorApply.__call__``; this patch installs exactly that filter in front
-of the installed ``__call__`` and calls the original with the remaining slots.
+TE's CUDA launcher flushes its pending batch at the last chunk of the last tensor. A zero-numel
+tensor has no chunk, so when the last tensor of a call is empty (an empty local shard at the end of a
+param group, common with FSDP2 on uneven params) nothing pending is launched and the rank's params
+silently stay as they were. This patch drops zero-numel slots in front of the installed
+``MultiTensorApply.__call__``, as upstream's fix does, and calls the original with the remaining
+slots. Upstream's fix and the releases: compat_matrix.yaml, docs/patches.md.
 """
 from __future__ import annotations
 
@@ -35,6 +34,10 @@ def _call(original):
 
 
 class TeMultiTensorApplyEmptyTail(Patch):
+    """`MultiTensorApply.__call__` drops zero-numel slots, as upstream's own fix does, before calling the
+    release's `__call__`, so a rank whose last tensor is an empty local shard still launches the kernel
+    on its other tensors."""
+
     name = "te_multi_tensor_apply_empty_tail"
     factories = {"__call__": _call}
 
@@ -42,7 +45,7 @@ class TeMultiTensorApplyEmptyTail(Patch):
         """True when the installed ``MultiTensorApply`` already keeps empty tensors from the kernel.
 
         Runs the unpatched ``__call__`` with a recording op on ``[ones(1), empty(0)]``: the fix
-        (868d8d92) hands the op only the non-empty tensor.
+        hands the op only the non-empty tensor.
         """
         import importlib
 

@@ -72,15 +72,16 @@ def run_python(code: str, *, paths: Iterable[Path] = (), env: dict | None = None
 
 
 def run_case(target: str, *, args: dict | None = None, paths: Iterable[Path] = (),
-             env: dict | None = None, timeout: float = 180) -> Any:
+             env: dict | None = None, timeout: float = 180, cwd: Path | None = None) -> Any:
     """Call ``target`` ("tests.module:function") with ``args`` in a fresh interpreter; return its result.
 
     ``paths`` come first on the child's PYTHONPATH (fixture sites), then the repo root, so a case
-    module imports like any test module. The result travels back as JSON (``default=str``).
+    module imports like any test module. The result travels back as JSON (``default=str``). ``cwd``
+    (default: the repo root, which ``python -c`` puts before PYTHONPATH) is where the child runs.
     """
     code = (f"import json\nfrom tests.support import _call_case\n"
             f"print('RESULT ' + json.dumps(_call_case({target!r}, {json.dumps(args or {})!r}), default=str))")
-    proc = run_python(code, paths=[*paths, REPO_ROOT], env=env, timeout=timeout)
+    proc = run_python(code, paths=[*paths, REPO_ROOT], env=env, timeout=timeout, cwd=cwd)
     lines = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"{target} printed no result\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1])

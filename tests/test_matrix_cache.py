@@ -13,7 +13,7 @@ from tests.support import run_python
 def cache(tmp_path, monkeypatch):
     """Cache files under tmp_path, bytecode writing on; returns the two locations."""
     locations = [str(tmp_path / "pkg" / "__pycache__" / "m.marshal"), str(tmp_path / "home" / "m.marshal")]
-    monkeypatch.setattr(matrix_cache, "_locations", lambda: list(locations))
+    monkeypatch.setattr(matrix_cache, "_locations", lambda _stem: list(locations))
     monkeypatch.setattr(sys, "dont_write_bytecode", False)
     return locations
 

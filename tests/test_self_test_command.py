@@ -358,7 +358,7 @@ def test_the_command_imports_no_torch_until_it_runs_and_finds_its_checks():
              "print(json.dumps([sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')), CHECKS]))")
     loaded, checks = json.loads(run_python(probe).stdout)
     assert loaded == []
-    # discovered from the check modules' NAME/ORDER/PATCH, in run order
+    # discovered from the standalone check modules' NAME/ORDER and the patches' self_test, in run order
     assert list(checks) == BASE_CHECKS + FIXTURE_CHECKS
     assert {name: patch for name, (_, patch) in checks.items() if patch} == {
         "te_fused_adam": "te_fused_adam_dtensor", "hyper_skip_dispatch": "hp_skip_dispatch_adamw"}

@@ -63,20 +63,18 @@ def _applied() -> list:
 def run_check(name: str, ctx) -> dict:
     """Run one check; an exception is a failed check carrying its traceback tail.
 
-    The result names ``patches``: the patch the check verifies (its module's ``PATCH``) when it was
-    applied, and ``applied``: every patch applied in this rank by the end of the check.
+    The result names ``patches``: the patch the check verifies (the patch that declares it) when it
+    was applied, and ``applied``: every patch applied in this rank by the end of the check.
     """
     start = time.monotonic()
-    module = None
+    patch = checks.CHECKS[name][1]
     try:
-        module = checks.load(name)
-        result = module.run(dataclasses.replace(ctx, planted=planted(name)))
+        result = checks.load(name)(dataclasses.replace(ctx, planted=planted(name), patch=patch))
     except Exception as exc:  # noqa: BLE001 - reported as this check's failure
         result = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()[-3000:]}
     result["seconds"] = round(time.monotonic() - start, 3)
     result["applied"] = _applied()
-    patch = getattr(module, "PATCH", None)
     result["patches"] = [patch] if patch in result["applied"] and "skipped" not in result else []
     return result
 

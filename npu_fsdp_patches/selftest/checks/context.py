@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -27,6 +27,14 @@ class Context:
     workdir: str
     #: set by the engine for a negative control: the check's comparison sees its result one ulp off
     planted: bool = False
+    #: set by the engine: the patch whose ``self_test`` this check is (None for a standalone check)
+    patch: Optional[str] = None
+
+    def patch_state(self) -> str:
+        """The state of :attr:`patch` in this rank now (a check verifies it only when ``applied``)."""
+        import npu_fsdp_patches  # pylint: disable=import-outside-toplevel
+
+        return {r["name"]: r for r in npu_fsdp_patches.status()}[self.patch]["state"]
 
     def comparison(self) -> Comparison:
         """A fresh comparer for this check (the engine's negative control rides on it)."""

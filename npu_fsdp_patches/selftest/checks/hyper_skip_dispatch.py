@@ -1,9 +1,10 @@
 """Check ``hyper_skip_dispatch``: torch AdamW on hyper-parallel DTensors under SkipDTensorDispatch.
 
-Runs only where hyper-parallel is installed and the plugin enabled ``hp_skip_dispatch_adamw``. A
-torch FSDP2 model is the reference (stock ``AdamW``, as FSDP2 users run it); the candidate holds the
-same local shards as hyper-parallel DTensors and steps the same ``AdamW`` inside hyper's
-``SkipDTensorDispatch``. Params and moments must agree bit for bit after every step (bf16, fp32).
+The ``self_test`` declared in patches/hp_skip_dispatch.py, so it runs only where hyper-parallel is
+installed and the plugin enabled that patch. A torch FSDP2 model is the reference (stock ``AdamW``,
+as FSDP2 users run it); the candidate holds the same local shards as hyper-parallel DTensors and
+steps the same ``AdamW`` inside hyper's ``SkipDTensorDispatch``. Params and moments must agree bit
+for bit after every step (bf16, fp32).
 """
 from __future__ import annotations
 
@@ -11,14 +12,9 @@ import importlib
 
 import torch
 
-import npu_fsdp_patches
-
 from .context import Context
 from .fsdp_model import set_dtensor_grads, sharded_copies
 
-NAME = "hyper_skip_dispatch"
-ORDER = 60
-PATCH = "hp_skip_dispatch_adamw"
 STEPS = 20
 HYPER = {"lr": 1e-3, "weight_decay": 0.01}
 #: where each hyper-parallel generation defines its placements
@@ -42,9 +38,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def run(ctx: Context) -> dict:
     import hyper_parallel as hp  # pylint: disable=import-outside-toplevel
     import torch.optim.adam  # noqa: F401  pylint: disable=import-outside-toplevel  (the patch target)
-    state = {r["name"]: r for r in npu_fsdp_patches.status()}[PATCH]["state"]
+    state = ctx.patch_state()
     if state != "applied":
-        return {"skipped": f"patch {PATCH} is {state}"}
+        return {"skipped": f"patch {ctx.patch} is {state}"}
     shard = _hyper_shard()
     hmesh = hp.init_device_mesh(ctx.device.type, (ctx.world,))
     cmp = ctx.comparison()

@@ -1,22 +1,19 @@
 """Check ``te_fused_adam``: the patched TransformerEngine ``FusedAdam`` class trains on DTensors.
 
-Runs only where TE is installed and the plugin enabled ``te_fused_adam_dtensor``; by then importing
-TE's optimizers has applied the patch (or the plugin stood down, which the check reports). The TE
-class and the standalone ``npu_fsdp_patches.optim.FusedAdam`` step the same Shard(0) DTensors with
-the same settings (fp32; bf16 with fp32 master weights) and must agree bit for bit.
+The ``self_test`` declared in patches/te_fused_adam.py, so it runs only where TE is installed and
+the plugin enabled that patch; by then importing TE's optimizers has applied the patch (or the
+plugin stood down, which the check reports). The TE class and the standalone
+``npu_fsdp_patches.optim.FusedAdam`` step the same Shard(0) DTensors with the same settings (fp32;
+bf16 with fp32 master weights) and must agree bit for bit.
 """
 from __future__ import annotations
 
 import torch
 
-import npu_fsdp_patches
 from npu_fsdp_patches.optim import FusedAdam
 
 from .context import SHAPES, Context
 
-NAME = "te_fused_adam"
-ORDER = 50
-PATCH = "te_fused_adam_dtensor"
 STEPS = 5
 CONFIGS = {"fp32": (torch.float32, {}),
            "bf16_fp32_master": (torch.bfloat16, {"master_weights": True, "use_decoupled_grad": True})}
@@ -36,9 +33,9 @@ def _train(ctx: Context, cls, dtype: torch.dtype, kwargs: dict) -> tuple:
 
 def run(ctx: Context) -> dict:
     from transformer_engine.pytorch.optimizers import fused_adam as te_module  # pylint: disable=import-outside-toplevel
-    state = {r["name"]: r for r in npu_fsdp_patches.status()}[PATCH]["state"]
+    state = ctx.patch_state()
     if state != "applied":
-        return {"skipped": f"patch {PATCH} is {state} after importing TE"}
+        return {"skipped": f"patch {ctx.patch} is {state} after importing TE"}
     cmp = ctx.comparison()
     for label, (dtype, kwargs) in CONFIGS.items():
         te_params, te_opt = _train(ctx, te_module.FusedAdam, dtype, kwargs)
