@@ -151,27 +151,6 @@ class Runtime:
                                       for found in (late.found if late is not None else ())),
                 provider_conflicts=MappingProxyType(dict(self._conflicts)))
 
-    # -- what doctor and the CLI read until they read snapshot() -----------------------------------
-    @property
-    def matrix(self):
-        return self._plan.matrix if self._plan is not None else None
-
-    @property
-    def frameworks(self) -> dict:
-        return self._late.frameworks if self._late is not None else {}
-
-    @property
-    def records(self) -> dict:
-        return self._life.records if self._life is not None else {}
-
-    @property
-    def late_detections(self) -> list:
-        return self._late.found if self._late is not None else []
-
-    @property
-    def provider_conflicts(self) -> Mapping:
-        return self._conflicts
-
     def provider(self, name: str):
         """The loader.Provider whose code implements ``name``; None on a provider conflict."""
         return self._plan.provider(name) if self._plan is not None else None
