@@ -9,44 +9,61 @@ from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import Mapping
 
 from . import loader
-from .decide import Decision, decide
+from .decide import decide
 from .detect import detect_all
 from .errors import MatrixError, PatchError
-from .matrix import Matrix, PatchSpec, load_matrix
+from .matrix import Matrix, load_matrix
 from .plugin_log import log
 from .settings import PREFIX, Settings
 
 
-class PlanEntry(NamedTuple):
-    """One patch as activation decided it."""
+class _ReadOnly:
+    """Fields set once at construction, read-only after. A NamedTuple would do, but creating each
+    NamedTuple class costs activation several times what creating this one costs."""
 
-    name: str
-    spec: PatchSpec
-    decision: Decision
-    provider: loader.Provider | None   # None: two third-party distributions claim the name
-    conflict: str | None               # why there is no provider
+    __slots__ = ()
+
+    def __init__(self, **fields) -> None:
+        if set(fields) != set(self.__slots__):
+            raise TypeError(f"{type(self).__name__} takes exactly {', '.join(self.__slots__)}")
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{n}={getattr(self, n)!r}' for n in self.__slots__)})"
 
 
-class Sources(NamedTuple):
-    """What a plan is made from besides the frameworks: the matrix and the patch code that registered."""
+class PlanEntry(_ReadOnly):
+    """One patch as activation decided it: name, spec (matrix.PatchSpec), decision (decide.Decision),
+    provider (loader.Provider; None when two third-party distributions claim the name) and conflict
+    (why there is no provider)."""
 
-    matrix: Matrix
-    providers: Mapping       # patch name -> loader.Provider, every implementation discovered
-    conflicts: Mapping       # patch name -> message, names that two distributions claim
+    __slots__ = ("name", "spec", "decision", "provider", "conflict")
 
 
-class Plan(NamedTuple):
-    """What activation found and decided; read-only (the mappings are views)."""
+class Sources(_ReadOnly):
+    """What a plan is made from besides the frameworks: the matrix (matrix.Matrix), providers (patch
+    name -> loader.Provider, every implementation discovered) and conflicts (patch name -> message,
+    names that two distributions claim)."""
 
-    settings: Settings
-    matrix: Matrix
-    frameworks: Mapping      # framework name -> detect.Detected, at activation
-    entries: tuple           # PlanEntry per patch, in matrix order
-    providers: Mapping       # as in Sources
-    conflicts: Mapping
+    __slots__ = ("matrix", "providers", "conflicts")
+
+
+class Plan(_ReadOnly):
+    """What activation found and decided: settings, matrix, frameworks (framework name ->
+    detect.Detected, at activation), entries (a PlanEntry per patch, in matrix order), providers and
+    conflicts (as in Sources). The mappings are read-only views."""
+
+    __slots__ = ("settings", "matrix", "frameworks", "entries", "providers", "conflicts")
 
     def provider(self, name: str) -> loader.Provider | None:
         """The loader.Provider whose code implements ``name``; None on a provider conflict."""
@@ -65,7 +82,8 @@ def load_sources(settings: Settings) -> Sources:
         raise
     except Exception as exc:  # noqa: BLE001 - never let a surprise break the user's import
         raise PatchError(f"cannot load the matrix: {type(exc).__name__}: {exc}")
-    return Sources(matrix, MappingProxyType(dict(providers)), MappingProxyType(dict(conflicts)))
+    return Sources(matrix=matrix, providers=MappingProxyType(dict(providers)),
+                   conflicts=MappingProxyType(dict(conflicts)))
 
 
 def check_sources(sources: Sources) -> None:
@@ -78,17 +96,19 @@ def check_sources(sources: Sources) -> None:
 
 def make_plan(settings: Settings, sources: Sources) -> Plan:
     """Detect the frameworks and decide every patch of ``sources``' matrix (checked by check_sources)."""
-    matrix, providers, conflicts = sources
+    matrix, providers, conflicts = sources.matrix, sources.providers, sources.conflicts
     frameworks = detect_all(matrix.frameworks.values())
     for message in conflicts.values():
         log.warning("%s", message)
     entries = []
     for name, spec in matrix.patches.items():
         decision, provider = decide(spec, frameworks, settings), providers.get(name)
-        entries.append(PlanEntry(name, spec, decision, provider, None if provider else conflicts[name]))
+        entries.append(PlanEntry(name=name, spec=spec, decision=decision, provider=provider,
+                                 conflict=None if provider else conflicts[name]))
         log.debug("patch %s %s: %s; code: %s", name, "enabled" if decision.enabled else "disabled",
                   decision.reason, provider.describe() if provider else conflicts[name])
-    return Plan(settings, matrix, MappingProxyType(frameworks), tuple(entries), providers, conflicts)
+    return Plan(settings=settings, matrix=matrix, frameworks=MappingProxyType(frameworks),
+                entries=tuple(entries), providers=providers, conflicts=conflicts)
 
 
 def configure_logging(level: str | None) -> None:

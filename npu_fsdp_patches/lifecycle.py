@@ -22,7 +22,6 @@ from . import hooks, loader, verify
 from .activation import Plan, PlanEntry
 from .decide import requested_by_apply
 from .errors import PatchError
-from .install import apply_on_module
 from .plugin_log import log
 from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound
@@ -104,6 +103,7 @@ class Lifecycle:
 
     def _apply_on_import(self, pairs) -> list:
         """:func:`install.apply_on_module` for each (patch, module) pair; the PatchErrors it raised."""
+        from .install import apply_on_module   # once a target is imported: activation alone skips it
         failures = []
         for patch, module in pairs:
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from types import MappingProxyType
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .activation import Plan, announce, check_sources, load_sources, make_plan, warn_unknown_names
 from .errors import ConfigError, PatchError
@@ -18,8 +18,10 @@ from .late_detection import LateDetection
 from .lifecycle import Lifecycle, check_known
 from .plugin_log import log
 from .settings import PREFIX, Settings, parse_settings, strict_requested
-from .snapshot import RuntimeSnapshot
 from .summary import ActivationSummary
+
+if TYPE_CHECKING:
+    from .snapshot import RuntimeSnapshot
 
 
 class Runtime:
@@ -140,6 +142,7 @@ class Runtime:
 
     def snapshot(self) -> RuntimeSnapshot:
         """What doctor and the CLI report, as it is now (no liveness re-check, no hook registration)."""
+        from .snapshot import RuntimeSnapshot   # not on the activation path: only readers pay for it
         with self._lock:
             late = self._late
             return RuntimeSnapshot(

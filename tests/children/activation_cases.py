@@ -62,11 +62,12 @@ def placeholder_frameworks(order: str) -> dict:
     for _, module in sys.modules.copy().items():   # MindSpeed's Patch.apply_patch walk
         for name in ("FusedAdam", "save_checkpoint", "load_checkpoint", "MainParamsOptimizer", "adam"):
             hasattr(module, name)
+    walk_imported = sorted(set(sys.modules) - loaded)   # before our own API calls below
     record = _status()["te_fused_adam_dtensor"]
     return {"te": npu_fsdp_patches.detect()["transformer_engine"], "state": record["state"],
             "waiting_for": record["waiting_for"], "applied": record["applied_targets"],
             "step_is_dummy": sys.modules[fused_adam].FusedAdam.step.__name__ == "<lambda>",
-            "walk_imported": sorted(set(sys.modules) - loaded)}
+            "walk_imported": walk_imported}
 
 
 def relative_matrix_spawned(workdir: str, elsewhere: str) -> dict:
