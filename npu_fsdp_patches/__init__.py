@@ -39,7 +39,7 @@ def revert(*names: str) -> list:
 def detect() -> dict[str, Any]:
     """Detected frameworks: version, location, source and flavor, read without importing them."""
     _RUNTIME.ensure_prepared()
-    return {name: info.as_dict() for name, info in _RUNTIME.frameworks.items()}
+    return {name: info.as_dict() for name, info in _RUNTIME.snapshot().frameworks.items()}
 
 
 def _run_module(argv: list) -> str | None:

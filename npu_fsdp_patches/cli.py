@@ -93,18 +93,19 @@ def _run(argv: list | None) -> int:
     if command == "doctor":
         return _doctor(args, as_json)
     RUNTIME.ensure_prepared()
-    if RUNTIME.matrix is None:
-        return _emit(as_json, command, EXIT_BAD_CONFIG, None, f"inactive: {RUNTIME.config_error}", patches=[])
+    snap = RUNTIME.snapshot()
+    if snap.matrix is None:
+        return _emit(as_json, command, EXIT_BAD_CONFIG, None, f"inactive: {snap.config_error}", patches=[])
     records = {r["name"]: r for r in RUNTIME.status()}
     if command == "list":
         return _emit(as_json, command, 0, list_text(records.values()), patches=list(records.values()))
-    spec = RUNTIME.matrix.patches.get(args.name)
+    spec = snap.matrix.patches.get(args.name)
     if spec is None:
         return _emit(as_json, command, EXIT_BAD_CONFIG, None,
                      f"unknown patch {args.name!r}; known: {', '.join(sorted(records))}", patch=None)
-    text = explain_text(spec, records.get(args.name), RUNTIME.frameworks, _patch_doc(args.name))
+    text = explain_text(spec, records.get(args.name), snap.frameworks, _patch_doc(args.name))
     return _emit(as_json, command, 0, text, patch=records.get(args.name),
-                 gate=gate_data(spec, RUNTIME.frameworks), explanation=text.splitlines())
+                 gate=gate_data(spec, snap.frameworks), explanation=text.splitlines())
 
 
 def main(argv: list | None = None) -> int:

@@ -14,12 +14,14 @@ import platform
 import subprocess
 import sys
 import traceback
+from typing import Mapping
 
 from . import __version__
 from .detect import detect_framework, distribution_index
 from .matrix import FrameworkSpec
 from .runtime import RUNTIME
 from .settings import PREFIX, strict_requested
+from .snapshot import RuntimeSnapshot
 from .torch_support import torch_findings
 
 # The platform doctor always reports, whether or not the matrix names it (docs/design.md#35-status-and-doctor).
@@ -68,10 +70,10 @@ if importlib.util.find_spec("torch") is not None:   # the platform of every patc
         import torch
     except BaseException as exc:
         emit({"torch_error": causes(exc)})
+import npu_fsdp_patches
 from npu_fsdp_patches.doctor import import_targets
-from npu_fsdp_patches.runtime import RUNTIME
 errors = import_targets()
-emit({"errors": errors, "patches": RUNTIME.status()})
+emit({"errors": errors, "patches": npu_fsdp_patches.status()})
 """
 
 #: TORCH_DEVICE_BACKEND_AUTOLOAD as this process started: torch_npu turns it off while it imports
@@ -116,13 +118,15 @@ def _first_and_root(causes: list) -> str:
     return causes[0] if len(causes) == 1 else f"{causes[0]} (caused by {causes[-1]})"
 
 
-def _installed(spec: FrameworkSpec):
-    return RUNTIME.frameworks.get(spec.name) or detect_framework(spec, distribution_index())
+def _installed(spec: FrameworkSpec, frameworks: Mapping):
+    return frameworks.get(spec.name) or detect_framework(spec, distribution_index())
 
 
-def environment() -> dict:
-    """Python, torch and torch_npu facts; every import happens in a child with the user's environment."""
-    torch_npu, torch = _installed(_TORCH_NPU), _installed(_TORCH)
+def environment(frameworks: Mapping) -> dict:
+    """Python, torch and torch_npu facts; every import happens in a child with the user's environment.
+    ``frameworks``: those detected already (RuntimeSnapshot.frameworks); torch and torch_npu are
+    detected here when the matrix does not name them."""
+    torch_npu, torch = _installed(_TORCH_NPU, frameworks), _installed(_TORCH, frameworks)
     env = {"python": platform.python_version(), "platform": f"{sys.platform} {platform.machine()}",
            "torch": torch.version if torch.installed else None, "device": None, "device_error": None,
            "torch_npu": {"installed": torch_npu.installed, "version": torch_npu.version,
@@ -190,10 +194,11 @@ def _import_error(module: str, exc: BaseException, optional: bool) -> str | None
 def import_targets() -> list:
     """Import every enabled patch's target modules so their hooks fire here; return import errors."""
     errors = []
-    for record in RUNTIME.records.values():
-        if not record.decision.enabled:
+    snap = RUNTIME.snapshot()
+    for record in snap.records:
+        if record["decision"] != "enabled":
             continue
-        spec = RUNTIME.matrix.patches[record.name]
+        spec = snap.matrix.patches[record["name"]]
         for module in spec.target_modules:
             # an optional module belongs to another framework generation: its absence is no error
             optional = all(t.optional for t in spec.targets if t.module == module)
@@ -228,11 +233,12 @@ def warnings_for(records: list) -> list:
     return out
 
 
-def code_findings() -> tuple:
+def code_findings(snap: RuntimeSnapshot) -> tuple:
     """(errors, warnings): every patch whose code disagrees with its matrix entry (verify.problems).
     An enabled patch failed on it at activation (an error); a disabled one would (a warning)."""
     errors, warnings = [], []
-    for name, record in (RUNTIME.records.items() if RUNTIME.matrix is not None else ()):
+    for record in snap.records:
+        name = record["name"]
         if RUNTIME.provider(name) is None:
             continue   # a provider conflict, already reported
         try:
@@ -241,17 +247,17 @@ def code_findings() -> tuple:
             found = [f"cannot load it: {type(exc).__name__}: {exc}"]
         if found:
             text = f"{name}: patch code does not match the matrix: " + "; ".join(found)
-            (errors if record.decision.enabled else warnings).append(text)
+            (errors if record["decision"] == "enabled" else warnings).append(text)
     return errors, warnings
 
 
-def plugin_section() -> dict:
+def plugin_section(snap: RuntimeSnapshot | None = None) -> dict:
     """The plugin's own state, shared by every JSON document the CLI prints."""
-    settings = RUNTIME.settings
-    return {"version": __version__, "active": settings.active and RUNTIME.config_error is None,
-            "matrix": RUNTIME.matrix.path if RUNTIME.matrix else settings.matrix_path,
-            "config_error": RUNTIME.config_error,
-            "strict": settings.strict or (RUNTIME.config_error is not None and strict_requested(os.environ)),
+    snap = snap or RUNTIME.snapshot()
+    settings = snap.settings
+    return {"version": __version__, "active": snap.active, "matrix": snap.matrix_path,
+            "config_error": snap.config_error,
+            "strict": settings.strict or (snap.config_error is not None and strict_requested(os.environ)),
             "disable": sorted(settings.disable) + (["*"] if settings.disable_all else []),
             "enable": sorted(settings.enable)}
 
@@ -259,48 +265,49 @@ def plugin_section() -> dict:
 def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
     """The full doctor report; ``exit_code`` is 0 healthy, 1 a patch or the platform failed, 2 bad configuration."""
     RUNTIME.ensure_prepared()
-    env = environment()
+    snap = RUNTIME.snapshot()
+    env = environment(snap.frameworks)
     records, import_errors, import_failed = None, [], []
-    if try_import and RUNTIME.matrix is not None:
+    if try_import and snap.matrix is not None:
         records, import_errors = import_targets_in_child()
         if records is None:   # nothing could be verified: an error, not a warning
             import_failed, import_errors = import_errors, []
         else:
             import_failed = forced_pending(records)
     records = records if records is not None else RUNTIME.status()
-    code_errors, code_warnings = code_findings()
-    settings = RUNTIME.settings
+    code_errors, code_warnings = code_findings(snap)
     report = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
-        "plugin": plugin_section(),
+        "plugin": plugin_section(snap),
         "environment": env,
-        "frameworks": {n: d.as_dict() for n, d in RUNTIME.frameworks.items()},
+        "frameworks": {n: d.as_dict() for n, d in snap.frameworks.items()},
         "patches": records,
         "errors": environment_errors(env) + import_failed + code_errors,
-        "warnings": (torch_findings(RUNTIME.frameworks.get("torch"), RUNTIME.matrix)
-                     + warnings_for(records) + list(RUNTIME.provider_conflicts.values())
-                     + [f"{name}: {fw.note}" for name, fw in RUNTIME.frameworks.items() if fw.note]
-                     + environment_warnings(env) + import_errors + code_warnings),
+        "warnings": _warnings(snap, records, env) + import_errors + code_warnings,
         "self_test": None,
     }
-    report["warnings"] += list(settings.warnings)
-    if RUNTIME.matrix is not None:
-        unknown = settings.unknown_names_message(set(RUNTIME.matrix.patches))
-        if unknown:
-            report["warnings"].append(unknown)
-    report["late_detections"] = [dict(found) for found in RUNTIME.late_detections]
+    report["warnings"] += list(snap.settings.warnings) + list(filter(None, [snap.unknown_names_message()]))
+    report["late_detections"] = [dict(found) for found in snap.late_detections]
     report["warnings"] += [f"{found['framework']} was found after activation, when {found['module']} was "
                            f"first imported; decided then: {', '.join(found['enabled']) or 'no patch enabled'}"
-                           for found in RUNTIME.late_detections]
+                           for found in snap.late_detections]
     report["warnings"] = list(dict.fromkeys(report["warnings"]))
     if self_test:
         report["self_test"] = (_self_test() if env["device_error"] is None else
                                {"passed": False, "error": f"torch cannot be imported: {env['device_error']}"})
     failed = any(r["state"] == "failed" for r in records) or bool(report["errors"]) or (
         report["self_test"] is not None and not report["self_test"].get("passed"))
-    report["exit_code"] = (EXIT_BAD_CONFIG if RUNTIME.config_error else
+    report["exit_code"] = (EXIT_BAD_CONFIG if snap.config_error else
                            EXIT_PATCH_FAILED if failed else EXIT_OK)
     return report
+
+
+def _warnings(snap: RuntimeSnapshot, records: list, env: dict) -> list:
+    """The torch gate, the patches', the providers', the frameworks' and the platform's warnings."""
+    return (torch_findings(snap.frameworks.get("torch"), snap.matrix) + warnings_for(records)
+            + list(snap.provider_conflicts.values())
+            + [f"{name}: {fw.note}" for name, fw in snap.frameworks.items() if fw.note]
+            + environment_warnings(env))
 
 
 def _self_test() -> dict:

@@ -43,18 +43,18 @@ def _rank_zero() -> bool:
 
 
 class ActivationSummary:
-    """Logs :func:`summary_line` once per process; ``snapshot`` returns the status records."""
+    """Logs :func:`summary_line` once per process; ``read_records`` returns the status records."""
 
     def __init__(self) -> None:
         self._done = False
         self._lock = threading.Lock()
         self._exit_hook = False
 
-    def update(self, snapshot: Callable[[], list], final: bool = False) -> None:
+    def update(self, read_records: Callable[[], list], final: bool = False) -> None:
         """Log the line if every enabled patch has settled (or ``final``); a no-op after the first."""
         if self._done or not log.is_enabled_for(20) or not _rank_zero():
             return
-        records = snapshot()
+        records = read_records()
         settled = not any(r["decision"] == "enabled" and r["state"] == "pending" for r in records)
         with self._lock:
             if self._done:
@@ -62,7 +62,7 @@ class ActivationSummary:
             if not (settled or final):
                 if not self._exit_hook:
                     self._exit_hook = True
-                    atexit.register(self.update, snapshot, True)
+                    atexit.register(self.update, read_records, True)
                 return
             self._done = True
         log.info("%s", summary_line(records))

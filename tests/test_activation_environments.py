@@ -81,7 +81,7 @@ def test_the_plugin_imported_from_a_zip_reads_its_shipped_matrix(tmp_path):
 def test_configuration_warnings_at_activation_and_standard_log_level_names():
     from tests.support import run_python
     code = ("import npu_fsdp_patches; from npu_fsdp_patches.runtime import RUNTIME; "
-            "print(RUNTIME.config_error, len(npu_fsdp_patches.status()))")
+            "print(RUNTIME.snapshot().config_error, len(npu_fsdp_patches.status()))")
     proc = run_python(code, env={"NPU_FSDP_PATCHES_LOG": "error", "NPU_FSDP_PATCHES_DISABLED": "x",
                                  "NPU_FSDP_PATCHES_DISABLE": "te_fused_adam_dtensr"})
     error, count = proc.stdout.split()

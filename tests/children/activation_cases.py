@@ -23,7 +23,7 @@ def framework_added_after_activation(late_site: str, autoload: bool) -> dict:
     import demo_target
     after = _status()["demo_shout"]
     return {"autoloaded": autoloaded, "before": before, "after": after, "greet": demo_target.greet("x"),
-            "late": RUNTIME.late_detections, "demo": npu_fsdp_patches.detect()["demo"]}
+            "late": list(RUNTIME.snapshot().late_detections), "demo": npu_fsdp_patches.detect()["demo"]}
 
 
 def _create_dummy(path: str) -> None:
@@ -62,11 +62,12 @@ def placeholder_frameworks(order: str) -> dict:
     for _, module in sys.modules.copy().items():   # MindSpeed's Patch.apply_patch walk
         for name in ("FusedAdam", "save_checkpoint", "load_checkpoint", "MainParamsOptimizer", "adam"):
             hasattr(module, name)
+    walk_imported = sorted(set(sys.modules) - loaded)   # before our own API calls below
     record = _status()["te_fused_adam_dtensor"]
     return {"te": npu_fsdp_patches.detect()["transformer_engine"], "state": record["state"],
             "waiting_for": record["waiting_for"], "applied": record["applied_targets"],
             "step_is_dummy": sys.modules[fused_adam].FusedAdam.step.__name__ == "<lambda>",
-            "walk_imported": sorted(set(sys.modules) - loaded)}
+            "walk_imported": walk_imported}
 
 
 def relative_matrix_spawned(workdir: str, elsewhere: str) -> dict:
@@ -84,8 +85,9 @@ def relative_matrix_spawned(workdir: str, elsewhere: str) -> dict:
 def matrix_state() -> dict:
     import npu_fsdp_patches  # noqa: F401
     from npu_fsdp_patches.runtime import RUNTIME
-    return {"error": RUNTIME.config_error, "matrix": RUNTIME.matrix.path if RUNTIME.matrix else None,
-            "patches": sorted(RUNTIME.records), "cwd": os.getcwd()}
+    snap = RUNTIME.snapshot()
+    return {"error": snap.config_error, "matrix": snap.matrix.path if snap.matrix else None,
+            "patches": sorted(r["name"] for r in snap.records), "cwd": os.getcwd()}
 
 
 def plugin_from_zip(checkout: str) -> dict:
@@ -93,5 +95,5 @@ def plugin_from_zip(checkout: str) -> dict:
     sys.path[:] = [p for p in sys.path if p not in ("", checkout)]
     import npu_fsdp_patches
     from npu_fsdp_patches.runtime import RUNTIME
-    return {"file": npu_fsdp_patches.__file__, "error": RUNTIME.config_error,
+    return {"file": npu_fsdp_patches.__file__, "error": RUNTIME.snapshot().config_error,
             "patches": {name: r["state"] for name, r in _status().items()}}
