@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The steps' set-up in the background (issue 22, CI time): `bash <step> prepare` for each .ci/steps/*.sh in
-# name order, one after another (40-veomni's venv, 50-megatron-py312's venv, 60-older-torch's first torch;
-# 30-real-te has nothing to prepare: it uses the README test command's .venv). .ci/run starts this script
+# The steps' set-up in the background (issue 22, CI time): `bash <step> prepare` for each .ci/steps/*.sh that
+# has a `# prepare:` header line, in name order, one after another (40-veomni's venv, 50-megatron-py312's
+# venv, 60-older-torch's first torch; 30-real-te uses the README test command's .venv). .ci/run starts this script
 # in its own process group at t = 0, so the installs (network and disk bound) overlap the main suite (CPU
 # bound), and stops the group when it exits. Each step's output goes to $CI_PREPARED/<step>.log and its exit
 # code, at the end, to <step>.rc, which the step waits for (`prepared` in .ci/prepare.env).
@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 . .ci/prepare.env
 mkdir -p "$CI_PREPARED"
 for step in .ci/steps/*.sh; do
+    grep -q '^# prepare:' "$step" || continue
     name=$(basename "$step" .sh) t0=$SECONDS
     bash "$step" prepare > "$CI_PREPARED/$name.log" 2>&1
     rc=$?

@@ -14,9 +14,8 @@
 # (107 s CPU); on 2 ranks in the main suite: 262 s (58 s CPU).
 # The README test command's .venv (torch 2.13.0 + the test extra) is this step's venv: .ci/run has just
 # built it (a venv of its own cost 69 s of the 146 s measured on the CI machine). Run on its own without
-# .venv, the step builds .ci/venvs/real-te as that command would. Nothing to set up in the background.
+# .venv, the step builds .ci/venvs/real-te as that command would.
 set -euo pipefail
-[ "${1:-}" = prepare ] && exit 0
 cd "$(dirname "$0")/../.."
 export NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1
 venv=.venv

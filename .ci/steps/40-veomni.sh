@@ -10,6 +10,7 @@
 # veomni's own DistributedCheckpointer: 143 s at a load average of ~18 (issue 19 branch).
 # The install runs in the background while the README test command runs (`prepare`, .ci/prepare.sh); 157 s
 # of the step's 213 s on the CI machine were the install.
+# prepare: the venv (.ci/prepare.sh runs `bash .ci/steps/40-veomni.sh prepare` in the background)
 set -uo pipefail
 . .ci/prepare.env || exit 1
 venv=.ci/venvs/veomni

@@ -13,6 +13,7 @@
 # torch wheel), tests 120 s (4 tests, 8 rank processes). Under a load average of ~12: 1122 s + 373 s.
 # The install runs in the background while the README test command runs (`prepare`, .ci/prepare.sh); 130 s
 # of the step's 175 s on the CI machine were the install.
+# prepare: the venv (.ci/prepare.sh runs `bash .ci/steps/50-megatron-py312.sh prepare` in the background)
 set -uo pipefail
 . .ci/prepare.env || exit 1
 venv=.ci/venvs/megatron-py312

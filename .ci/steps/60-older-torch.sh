@@ -19,6 +19,7 @@
 # Under .ci/run the first version installs in the background during the README test command
 # (`prepare`, .ci/prepare.sh; 126 s on the CI machine); each version's times go into .ci/run's table.
 # Usage: bash .ci/steps/60-older-torch.sh [VERSION...]   (default: $OLDER_TORCH_VERSIONS)
+# prepare: the first version's venv (.ci/prepare.sh runs `bash .ci/steps/60-older-torch.sh prepare`)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . .ci/older-torch.env || exit 1
