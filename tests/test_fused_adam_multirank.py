@@ -2,7 +2,9 @@
 docs/design.md#41-te_fused_adam_dtensor rules, DCP resharding.
 
 Each launch runs once (module-scoped fixtures) and records its named checks; every check is its own
-test below, and a check the rank code never ran fails as such.
+test below, and a check the rank code never ran fails as such. One 2-rank launch
+(tests/multirank/fused_adam_two_ranks.py) runs the numerics, precision and DCP-save cases; the 1- and
+4-rank launches resume its checkpoint.
 """
 import os
 
@@ -13,18 +15,25 @@ from tests.multirank import fused_adam_cases, fused_adam_dcp_cases
 from tests.support import assert_check
 
 _ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")}
-CASES = "tests.multirank.fused_adam_cases"
 DCP = "tests.multirank.fused_adam_dcp_cases"
 
 
 @pytest.fixture(scope="module")
-def numerics():
-    return run_ranks(f"{CASES}:numerics_matrix", 2, timeout=240, env=_ENV)
+def two_ranks(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dcp")
+    args = {"ckpt": str(d / "ckpt"), "ref_path": str(d / "reference.pt")}
+    return args, run_ranks("tests.multirank.fused_adam_two_ranks:two_ranks", 2, args=args, timeout=600,
+                           env=_ENV)
 
 
 @pytest.fixture(scope="module")
-def precision():
-    return run_ranks(f"{CASES}:precision_checkpoints", 2, timeout=300, env=_ENV)
+def numerics(two_ranks):
+    return [r["numerics"] for r in two_ranks[1]]
+
+
+@pytest.fixture(scope="module")
+def precision(two_ranks):
+    return [r["precision"] for r in two_ranks[1]]
 
 
 @pytest.mark.parametrize("check", fused_adam_cases.NUMERICS_CHECKS)
@@ -48,11 +57,9 @@ def test_low_precision_and_master_weight_checkpoints(precision, check):
 
 
 @pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dcp")
-    args = {"ckpt": str(d / "ckpt"), "ref_path": str(d / "reference.pt")}
-    results = run_ranks(f"{DCP}:dcp_save_and_resume", 2, args=args, timeout=240, env=_ENV)
-    return args, results
+def saved_checkpoint(two_ranks):
+    args, results = two_ranks
+    return args, [r["dcp"] for r in results]
 
 
 @pytest.fixture(scope="module", params=[2, 1, 4], ids=lambda w: f"world{w}")

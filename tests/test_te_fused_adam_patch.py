@@ -1,4 +1,8 @@
-"""te_fused_adam_dtensor and te_initialize_state_compat on TE fixtures, in fresh interpreters."""
+"""te_fused_adam_dtensor and te_initialize_state_compat on TE fixtures, in fresh interpreters.
+
+One 2-rank launch per flavor (tests/multirank/te_fused_adam_cases.py) checks DTensor training, plain-tensor
+training and, on NVTE 2.11, the one-argument ``initialize_state``; each check is its own test below.
+"""
 import os
 import shutil
 
@@ -13,7 +17,7 @@ FLAVORS = ("tenpu", "nvte211")
 _ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")}
 
 
-def _site(flavor, tmp_path):
+def _site(flavor):
     """TENPU's stand-in (NVTE 2.15's real FusedAdam under TENPU's overlay), or TE 2.11's real one."""
     return require_tenpu_site() if flavor == "tenpu" else require_te_site("2.11.0")
 
@@ -26,17 +30,35 @@ UNPATCHED_ERRORS = {
 }
 
 
+@pytest.fixture(scope="module")
+def launch():
+    """``launch(flavor)``: that flavor's one 2-rank launch of tests/multirank/te_fused_adam_cases.py,
+    run once for every test of it (a failed launch fails each of them with its report)."""
+    done = {}
+
+    def get(flavor):
+        if flavor not in done:
+            try:
+                done[flavor] = run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2,
+                                         args={"flavor": flavor}, timeout=300,
+                                         env={**_ENV, "PYTHONPATH": str(_site(flavor))})
+            except AssertionError as exc:
+                done[flavor] = exc
+        if isinstance(done[flavor], AssertionError):
+            raise done[flavor]
+        return done[flavor]
+    return get
+
+
 @pytest.fixture(scope="module", params=FLAVORS)
-def dtensor_training(request, tmp_path_factory):
-    """One 2-rank launch of tests/multirank/te_fused_adam_cases.py per flavor."""
-    site = _site(request.param, tmp_path_factory.mktemp(request.param))
-    return request.param, run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2,
-                                    timeout=240, env={**_ENV, "PYTHONPATH": str(site)})
+def dtensor_training(request, launch):
+    return request.param, launch(request.param)
 
 
 @pytest.mark.parametrize("check", te_fused_adam_cases.CHECKS)
 def test_dtensor_training_on_the_patched_te_class(dtensor_training, check):
-    assert_check(dtensor_training[1], check, te_fused_adam_cases.CHECKS)
+    flavor, results = dtensor_training
+    assert_check(results, check, te_fused_adam_cases.DECLARED[flavor])
 
 
 def test_dtensor_training_applies_the_patch_and_the_unpatched_class_fails_as_known(dtensor_training):
@@ -50,45 +72,10 @@ def test_dtensor_training_applies_the_patch_and_the_unpatched_class_fails_as_kno
             assert unpatched_error in (r["facts"]["unpatched_error"] or "")
 
 
-_PLAIN_BITWISE = """
-import torch, npu_fsdp_patches
-from transformer_engine.pytorch.optimizers import FusedAdam
-assert getattr(FusedAdam.step, "__npu_fsdp_patch__", None) == "te_fused_adam_dtensor"
-
-def train(**kw):
-    gen = torch.Generator().manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dt))
-          for n, dt in ((33, torch.float32), (5, torch.float32))]
-    opt = FusedAdam(ps, lr=1e-2, weight_decay=0.1, **kw)
-    for _ in range(6):
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-        opt.step()
-    sd = opt.state_dict()
-    return [p.detach().clone() for p in ps], sd
-
-for kw in ({}, {"adam_w_mode": False}, {"exp_avg_dtype": torch.float16},
-           {"master_weights": True, "exp_avg_sq_dtype": torch.bfloat16}):
-    npu_fsdp_patches.revert("te_fused_adam_dtensor")
-    assert not hasattr(FusedAdam.step, "__npu_fsdp_patch__")
-    ref, ref_sd = train(**kw)
-    npu_fsdp_patches.apply("te_fused_adam_dtensor")
-    assert FusedAdam.step.__npu_fsdp_patch__ == "te_fused_adam_dtensor"
-    got, got_sd = train(**kw)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b), kw
-        assert not torch.equal(a, torch.nextafter(b, torch.full_like(b, 1e9))), "1-ulp control"
-    for k in ref_sd["state"]:
-        for name, v in ref_sd["state"][k].items():
-            assert torch.equal(got_sd["state"][k][name], v), (kw, name)
-print("OK")
-"""
-
-
-@pytest.mark.parametrize("flavor", FLAVORS)
-def test_plain_tensor_training_is_bitwise_the_original(tmp_path, flavor):
-    site = _site(flavor, tmp_path)
-    assert "OK" in run_python(_PLAIN_BITWISE, paths=[site], env=_ENV).stdout
+def test_plain_tensor_training_is_bitwise_the_original(dtensor_training):
+    """Reverted vs applied on plain tensors, four configs, with a 1-ulp control (in the same launch)."""
+    flavor, results = dtensor_training
+    assert_check(results, te_fused_adam_cases.PLAIN_CHECK, te_fused_adam_cases.DECLARED[flavor])
 
 
 _TENPU_DERIVED = """
@@ -186,37 +173,8 @@ def test_stands_down_when_the_installed_class_handles_dtensor(tmp_path):
     assert '"te_initialize_state_compat": ["skipped", "upstream has it (probe upstream_has_default)"]' in out
 
 
-_INIT_STATE = """
-import torch, npu_fsdp_patches
-from transformer_engine.pytorch.optimizers import FusedAdam
-p = torch.nn.Parameter(torch.randn(4).bfloat16())
-f = torch.nn.Parameter(torch.randn(4))
-npu_fsdp_patches.revert("te_initialize_state_compat")
-try:
-    FusedAdam([p], master_weights=True).initialize_state(p)
-except TypeError as e:
-    assert "store_param_remainders" in str(e), e
-else:
-    raise AssertionError("one-argument call worked without the patch")
-npu_fsdp_patches.apply("te_initialize_state_compat")
-opt = FusedAdam([p, f], master_weights=True, store_param_remainders=True)
-opt.initialize_state(p)
-opt.initialize_state(f)
-assert opt.state[p]["master_param"].dtype == torch.int16   # derived: bf16 + fp32 master
-assert opt.state[f]["master_param"].dtype == torch.float32  # derived: fp32 param
-opt.initialize_state(f, False)  # an explicit value that agrees
-for param, value in ((p, False), (f, True)):
-    try:
-        FusedAdam([param], master_weights=True, store_param_remainders=True).initialize_state(
-            param, value)
-    except ValueError as e:
-        assert "contradicts" in str(e), e
-    else:
-        raise AssertionError("contradicting value accepted")
-print("OK")
-"""
-
-
-def test_initialize_state_one_argument_on_nvte_2_11(tmp_path):
-    site = require_te_site("2.11.0")
-    assert "OK" in run_python(_INIT_STATE, paths=[site], env=_ENV).stdout
+def test_initialize_state_one_argument_on_nvte_2_11(launch):
+    """Without te_initialize_state_compat NVTE 2.11's one-argument call fails; with it the value is
+    derived and a contradicting one refused (in the nvte211 launch above)."""
+    assert_check(launch("nvte211"), te_fused_adam_cases.INIT_STATE_CHECK,
+                 te_fused_adam_cases.DECLARED["nvte211"])

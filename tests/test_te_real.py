@@ -4,6 +4,10 @@ Per release, one gloo launch trains every config on TE's own code (the negative 
 failure of that release must show) and then with the patches the matrix enables (every config must
 match a float64 AdamW reference, keep DTensor states with the param's layout and round-trip its
 state_dict). Params have uneven and empty Shard(0) shards, the last one empty on ranks >= 1.
+
+One 2-rank launch per release (tests/multirank/te_real_cases.py ``two_ranks``) also checks plain-tensor
+training and, for the DCP releases, saves the checkpoint that their one 3-rank launch (``three_ranks``:
+the configs at 3 ranks, then the DCP load) resumes; each launch runs once for every test of it.
 """
 import os
 
@@ -34,9 +38,39 @@ _TE_PATCHES = {"te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail",
                "te_fused_adam_empty_scale"}
 
 
-def _run(version, world):
+THREE_RANKS = ["2.11.0", "2.17.1"]   # also the DCP releases: saved at 2 ranks, loaded at 3
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """``launch(version, world)``: that release's 2- or 3-rank launch, run once (a failed launch fails
+    every test of it with its report); the 3-rank one loads the 2-rank one's DCP checkpoint."""
+    done = {}
+
+    def run(version, world):
+        key = (version, world)
+        if key not in done:
+            try:
+                done[key] = _launch(version, world, run, tmp_path_factory)
+            except AssertionError as exc:
+                done[key] = exc
+        if isinstance(done[key], AssertionError):
+            raise done[key]
+        return done[key]
+    return run
+
+
+def _launch(version, world, run, tmp_path_factory):
     site = require_te_site(version)
-    return run_ranks(f"{CASES}:dtensor_configs", world, args={"configs": CONFIGS}, timeout=420,
+    args = {"configs": CONFIGS}
+    if version in THREE_RANKS:
+        if world == 3:
+            run(version, 2)   # writes the checkpoint
+        d = tmp_path_factory.getbasetemp() / f"te-real-dcp-{version}"
+        d.mkdir(exist_ok=True)
+        args["dcp_args"] = {"ckpt": str(d / "ckpt"), "ref_path": str(d / "ref.pt")}
+    case = {2: "two_ranks", 3: "three_ranks"}[world]
+    return run_ranks(f"{CASES}:{case}", world, args=args, timeout=600,
                      env={**_ENV, "PYTHONPATH": str(site)})
 
 
@@ -77,26 +111,24 @@ def _assert_patched(version, results):
 
 
 @pytest.mark.parametrize("version", list(APPLIED))
-def test_real_te_release_on_two_ranks(version):
-    results = _run(version, 2)
+def test_real_te_release_on_two_ranks(launch, version):
+    results = [r["configs"] for r in launch(version, 2)]
     _assert_known_failure(version, 2, results)
     _assert_patched(version, results)
 
 
-@pytest.mark.parametrize("version", ["2.11.0", "2.17.1"])
-def test_real_te_release_on_three_ranks(version):
-    results = _run(version, 3)
+@pytest.mark.parametrize("version", THREE_RANKS)
+def test_real_te_release_on_three_ranks(launch, version):
+    results = [r["configs"] for r in launch(version, 3)]
     _assert_known_failure(version, 3, results)
     _assert_patched(version, results)
 
 
 @pytest.mark.parametrize("version", list(APPLIED))
-def test_plain_tensor_training_is_bitwise_the_real_class(version):
-    site = require_te_site(version)
-    [out] = run_ranks(f"{CASES}:plain_bitwise", 1, timeout=300,
-                      env={**_ENV, "PYTHONPATH": str(site)})
-    for config, r in out.items():
-        assert r["bitwise"] and r["control_caught"], (config, r)
+def test_plain_tensor_training_is_bitwise_the_real_class(launch, version):
+    for rank, r in enumerate(launch(version, 2)):
+        for config, out in r["plain"].items():
+            assert out["bitwise"] and out["control_caught"], (rank, config, out)
 
 
 _ONE_ARG = """
@@ -123,16 +155,11 @@ def test_initialize_state_probe_on_real_sources(version, has_default):
     assert "STATES ['exp_avg', 'exp_avg_sq']" in out
 
 
-@pytest.mark.parametrize("version", ["2.11.0", "2.17.1"])
-def test_dcp_save_at_two_ranks_load_at_three(tmp_path, version):
-    site = require_te_site(version)
-    env = {**_ENV, "PYTHONPATH": str(site)}
-    args = {"ckpt": str(tmp_path / "ckpt"), "ref_path": str(tmp_path / "ref.pt")}
-    saved = run_ranks("tests.multirank.te_real_dcp_cases:save_and_continue", 2, args=args,
-                      timeout=420, env=env)
+@pytest.mark.parametrize("version", THREE_RANKS)
+def test_dcp_save_at_two_ranks_load_at_three(launch, version):
+    saved = [r["dcp"] for r in launch(version, 2)]
     assert [r["local_numels"]["w1"] for r in saved] == [1, 0]
-    loaded = run_ranks("tests.multirank.te_real_dcp_cases:load_and_continue", 3, args=args,
-                       timeout=420, env=env)
+    loaded = [r["dcp"] for r in launch(version, 3)]
     assert sum(r["local_numels"]["w7"] for r in loaded) == 7
     for rank, r in enumerate(loaded):
         assert r["steps_after_load"] == [3], (rank, r)

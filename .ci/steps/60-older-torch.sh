@@ -16,10 +16,14 @@
 # (a torch above the pip cap is installed there by that script, in its one registry call), run pytest,
 # delete the venv and the wheels (about 5 GB + 3.7 GB). Skips name what the torch lacks (Muon before 2.9,
 # Adam(decoupled_weight_decay) and FSDP2 training on CPU before 2.7). Measured times: docs/ci.md.
+# Under .ci/run the first version installs in the background during the README test command
+# (`prepare`, .ci/prepare.sh; 126 s on the CI machine); each version's times go into .ci/run's table.
 # Usage: bash .ci/steps/60-older-torch.sh [VERSION...]   (default: $OLDER_TORCH_VERSIONS)
+# prepare: the first version's venv (.ci/prepare.sh runs `bash .ci/steps/60-older-torch.sh prepare`)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . .ci/older-torch.env || exit 1
+. .ci/prepare.env || exit 1
 export NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1 CUDA_VISIBLE_DEVICES=""
 LEAN=(
     tests/test_foreach_adamw.py tests/test_foreach_adamw_contract.py tests/test_fused_adam.py
@@ -52,11 +56,6 @@ FULL=(
     tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
     tests/test_megatron_initialize_state.py
 )
-
-alive() {  # alive PID: running (an exited child of .ci/run stays a zombie until .ci/run reaps it)
-    local state
-    state=$(ps -o stat= -p "$1" 2>/dev/null) && [ -n "$state" ] && [ "${state#Z}" = "$state" ]
-}
 
 wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its timeout); 0 when it succeeded
     local rc_file="$OLDER_TORCH_WHEELS/torch-$1.rc" pid
@@ -92,27 +91,48 @@ install() {  # install VERSION: its wheels offline into a fresh .ci/venvs/torch-
     rc=$?
     rm -rf "$OLDER_TORCH_WHEELS/torch-$1"
     echo "60-older-torch: torch $1: install took $((SECONDS - t0)) s (rc $rc)"
+    echo "$((SECONDS - t0))" > "$OLDER_TORCH_WHEELS/torch-$1.install-s"
     return "$rc"
 }
 
-# Each next version installs in the background while the previous one's tests run (disk-bound vs CPU-bound).
+first_install() {  # first_install VERSION...: the first version's install, in the background (sets $pending)
+    # .ci/prepare.sh installed the default list's first version while the README test command ran
+    if [ $# -eq 0 ] && prepared 60-older-torch; then
+        echo "60-older-torch: ${versions[0]} installed in the background ($(grep -h 'install took' \
+            "$CI_PREPARED/60-older-torch.log"))"
+        true & pending=$!
+    else
+        install "${versions[0]}" & pending=$!
+    fi
+}
+
 read -r -a versions <<< "${*:-$OLDER_TORCH_VERSIONS}"
-install "${versions[0]}" & pending=$!
+if [ "${1:-}" = prepare ]; then   # .ci/prepare.sh: the first version of the default list only
+    read -r -a versions <<< "$OLDER_TORCH_VERSIONS"
+    install "${versions[0]}"
+    exit
+fi
+# Each next version installs in the background while the previous one's tests run (disk-bound vs CPU-bound).
+first_install "$@"
 status=0
 for i in "${!versions[@]}"; do
     version=${versions[$i]} venv=.ci/venvs/torch-${versions[$i]}
     wait "$pending"
     rc=$?
     if [ $((i + 1)) -lt "${#versions[@]}" ]; then install "${versions[$((i + 1))]}" & pending=$!; fi
+    t1=$SECONDS list=LEAN
     if [ "$rc" -eq 0 ]; then
-        t1=$SECONDS list=LEAN tests=("${LEAN[@]}" "${LEAN_DESELECT[@]/#/--deselect=}")
+        tests=("${LEAN[@]}" "${LEAN_DESELECT[@]/#/--deselect=}")
         if [[ " $FULL_LIST_TORCH " == *" $version "* ]]; then list=FULL tests=("${FULL[@]}"); fi
         "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "${tests[@]}"
         rc=$?
         [ "$rc" -eq 5 ] && { echo "60-older-torch: torch $version: pytest collected no tests" >&2; rc=1; }
         echo "60-older-torch: torch $version: $list list: tests took $((SECONDS - t1)) s (rc $rc)"
     fi
-    rm -rf "$venv"
+    summary_line "  torch $version: $list tests" $((SECONDS - t1)) \
+        "install $(cat "$OLDER_TORCH_WHEELS/torch-$version.install-s" 2>/dev/null || echo '?') s, rc $rc"
+    rm -rf "$venv" &   # about 5 GB: deleted while the next version's tests run
     [ "$rc" -eq 0 ] || status=1
 done
+wait
 exit "$status"

@@ -2,7 +2,10 @@
 
 The rank runs with a fixture distribution on PYTHONPATH; the plugin has already applied the patch on
 ``import transformer_engine...`` (the matrix enables it for both fixtures). Each case reverts and
-re-applies it through the public API to compare unpatched and patched behaviour in one process.
+re-applies it through the public API to compare unpatched and patched behaviour in one process. The
+same launch also checks plain-tensor training (bitwise the original class) and, on NVTE 2.11,
+``te_initialize_state_compat``'s one-argument ``initialize_state`` (each was a fresh interpreter of its
+own: one launch for the facts of one set-up, docs/contributing.md).
 """
 from __future__ import annotations
 
@@ -17,8 +20,14 @@ from tests.multirank.fused_adam_cases import full_of, like, ref_adam
 from tests.support import Checks
 
 PATCH = "te_fused_adam_dtensor"
-#: every check ``te_patch_cases`` runs, one pytest test each
+#: the DTensor checks ``te_patch_cases`` runs, one pytest test each
 CHECKS = ("unpatched_fails", "patched_matches_standalone_and_reference", "rejections_on_te_class")
+#: plain tensors: the patched step is bitwise the original class's, on every flavor
+PLAIN_CHECK = "plain_tensor_training_is_bitwise_the_original"
+#: NVTE 2.11 only (TENPU's stand-in already defaults the argument): te_initialize_state_compat
+INIT_STATE_CHECK = "initialize_state_one_argument"
+#: every check the launch of each flavor runs
+DECLARED = {"tenpu": CHECKS + (PLAIN_CHECK,), "nvte211": CHECKS + (PLAIN_CHECK, INIT_STATE_CHECK)}
 
 
 def _params(mesh, dtype=torch.float32):
@@ -45,7 +54,67 @@ def _train(cls, params, steps, decoupled=False, grad_dtype=None, **kw):
     return opt
 
 
-def te_patch_cases(rank: int, world: int):
+def _plain_train(te_cls, **kw):
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dt))
+          for n, dt in ((33, torch.float32), (5, torch.float32))]
+    opt = te_cls(ps, lr=1e-2, weight_decay=0.1, **kw)
+    for _ in range(6):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+    return [p.detach().clone() for p in ps], opt.state_dict()
+
+
+def plain_tensor_training_is_bitwise_the_original(te_cls) -> None:
+    """Reverted vs applied on plain tensors: parameters and states bitwise equal, 1-ulp control."""
+    for kw in ({}, {"adam_w_mode": False}, {"exp_avg_dtype": torch.float16},
+               {"master_weights": True, "exp_avg_sq_dtype": torch.bfloat16}):
+        npu_fsdp_patches.revert(PATCH)
+        assert not hasattr(te_cls.step, "__npu_fsdp_patch__")
+        ref, ref_sd = _plain_train(te_cls, **kw)
+        npu_fsdp_patches.apply(PATCH)
+        assert te_cls.step.__npu_fsdp_patch__ == PATCH
+        got, got_sd = _plain_train(te_cls, **kw)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), kw
+            assert not torch.equal(a, torch.nextafter(b, torch.full_like(b, 1e9))), "1-ulp control"
+        for k in ref_sd["state"]:
+            for name, v in ref_sd["state"][k].items():
+                assert torch.equal(got_sd["state"][k][name], v), (kw, name)
+
+
+def initialize_state_one_argument(te_cls) -> None:
+    """NVTE 2.11 needs initialize_state's second argument; te_initialize_state_compat derives it and
+    refuses a contradicting one."""
+    compat = "te_initialize_state_compat"
+    p = torch.nn.Parameter(torch.randn(4).bfloat16())
+    f = torch.nn.Parameter(torch.randn(4))
+    npu_fsdp_patches.revert(compat)
+    try:
+        te_cls([p], master_weights=True).initialize_state(p)
+    except TypeError as e:
+        assert "store_param_remainders" in str(e), e
+    else:
+        raise AssertionError("one-argument call worked without the patch")
+    finally:
+        npu_fsdp_patches.apply(compat)
+    opt = te_cls([p, f], master_weights=True, store_param_remainders=True)
+    opt.initialize_state(p)
+    opt.initialize_state(f)
+    assert opt.state[p]["master_param"].dtype == torch.int16   # derived: bf16 + fp32 master
+    assert opt.state[f]["master_param"].dtype == torch.float32  # derived: fp32 param
+    opt.initialize_state(f, False)  # an explicit value that agrees
+    for param, value in ((p, False), (f, True)):
+        try:
+            te_cls([param], master_weights=True, store_param_remainders=True).initialize_state(param, value)
+        except ValueError as e:
+            assert "contradicts" in str(e), e
+        else:
+            raise AssertionError("contradicting value accepted")
+
+
+def te_patch_cases(rank: int, world: int, flavor: str):
     from transformer_engine.pytorch.optimizers import FusedAdam as BoundBefore
     from transformer_engine.pytorch.optimizers import fused_adam as te_module
     mesh = init_device_mesh("cpu", (world,))
@@ -118,4 +187,8 @@ def te_patch_cases(rank: int, world: int):
             assert "store_param_remainders" in str(exc) and "DTensor" in str(exc), exc
         else:
             raise AssertionError("remainders accepted on a DTensor param")
+
+    checks.run(PLAIN_CHECK, lambda: plain_tensor_training_is_bitwise_the_original(te_module.FusedAdam))
+    if INIT_STATE_CHECK in DECLARED[flavor]:
+        checks.run(INIT_STATE_CHECK, lambda: initialize_state_one_argument(te_module.FusedAdam))
     return {"checks": checks.results, "facts": facts}

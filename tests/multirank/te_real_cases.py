@@ -178,3 +178,22 @@ def plain_bitwise(rank: int, world: int) -> dict:
         nudged.view(torch.int16 if nudged.element_size() == 2 else torch.int32).view(-1)[0] += 1
         out[config] = {"bitwise": same, "control_caught": not torch.equal(got[0], nudged)}
     return out
+
+
+def two_ranks(rank: int, world: int, configs: list, dcp_args: dict | None = None) -> dict:
+    """A release's 2-rank launch: ``dtensor_configs``; with ``dcp_args`` the DCP save of
+    tests/multirank/te_real_dcp_cases.py (under the import-time patches, which dtensor_configs
+    restores); last ``plain_bitwise``, which reverts and applies every patch."""
+    from tests.multirank.te_real_dcp_cases import save_and_continue
+    out = {"configs": dtensor_configs(rank, world, configs)}
+    if dcp_args is not None:
+        out["dcp"] = save_and_continue(rank, world, **dcp_args)
+    out["plain"] = plain_bitwise(rank, world)
+    return out
+
+
+def three_ranks(rank: int, world: int, configs: list, dcp_args: dict) -> dict:
+    """A release's 3-rank launch: ``dtensor_configs``, then loading the 2-rank launch's DCP checkpoint."""
+    from tests.multirank.te_real_dcp_cases import load_and_continue
+    return {"configs": dtensor_configs(rank, world, configs),
+            "dcp": load_and_continue(rank, world, **dcp_args)}
