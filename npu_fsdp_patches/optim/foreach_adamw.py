@@ -43,8 +43,8 @@ _NOT_REPRODUCIBLE = {
 }
 
 #: torch >= 2.7 folds AdamW into ``adam(decoupled_weight_decay=...)``; torch 2.6 has no such argument. Read
-#: from torch's own function, never from a replacement installed there (hp_skip_dispatch_adamw may be
-#: applied before this import; a foreign wrapper without ``__wrapped__`` would hide the parameter)
+#: from torch's own function, never from a replacement installed there (a patch of ``adam`` may be applied
+#: before this import; a foreign wrapper without ``__wrapped__`` would hide the parameter)
 _ADAM_HAS_DECOUPLED_WEIGHT_DECAY = "decoupled_weight_decay" in inspect.signature(unpatched(torch_adam.adam)).parameters
 
 
