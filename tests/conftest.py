@@ -2,7 +2,7 @@
 
 Each returns the site folder (see tests/support.py ``install_fixture``). ``fixture_site`` installs any
 other fixture by name; ``te_site`` gives a real TransformerEngine release (tests/te_real.py), or skips
-when its wheel cannot be fetched (a failure under NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1).
+when its wheel cannot be fetched (a failure under NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1).
 """
 from __future__ import annotations
 

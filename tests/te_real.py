@@ -20,7 +20,7 @@ real ``fused_adam.py`` (as ``_nvte_fused_adam.py``) under the overlay ``tests/fi
 
 The cache is ``$NPU_FSDP_PATCHES_TE_WHEELS``, else ``$XDG_CACHE_HOME/npu_fsdp_patches/te-wheels``,
 else ``~/.cache/npu_fsdp_patches/te-wheels``. ``require_te_site`` skips a test when a wheel cannot
-be fetched (``require_tenpu_site`` likewise), unless ``NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1`` (CI),
+be fetched (``require_tenpu_site`` likewise), unless ``NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1`` (CI),
 which turns that into a failure.
 """
 from __future__ import annotations
@@ -159,13 +159,13 @@ def _require(build, what: str, *args) -> Path:
     try:
         return build(*args)
     except (TeWheelUnavailable, OSError, subprocess.TimeoutExpired) as exc:
-        if os.environ.get("NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS") == "1":
+        if os.environ.get("NPU_FSDP_TESTS_REQUIRE_TE_WHEELS") == "1":
             raise
         pytest.skip(f"{what} wheel unavailable (no registry access?): {exc}")
 
 
 def require_te_site(version: str) -> Path:
-    """``te_site(version)``, or skip the calling test (fail under NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1)."""
+    """``te_site(version)``, or skip the calling test (fail under NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1)."""
     return _require(te_site, f"TE {version}", version)
 
 

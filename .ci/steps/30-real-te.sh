@@ -5,7 +5,7 @@
 # test_megatron_initialize_state.py on the real FusedAdam of each release (tests/te_real.py
 # downloads the pure-Python wheels with `pip download --no-deps` into
 # ~/.cache/npu_fsdp_patches/te-wheels); locally a missing wheel only skips them. This step makes a
-# missing wheel a CI failure (NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1) and re-runs the cheap real-TE
+# missing wheel a CI failure (NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1) and re-runs the cheap real-TE
 # checks under that rule, so a skipped real-TE run can never pass CI.
 # Measured (2 cores, shared): 10 wheels, 8.4 MB, ~117 s cold download (the TENPU stand-in's base
 # 2.15.0 and its site: 7 s of it); < 5 s with a warm cache; the TENPU overlay test: ~35 s;
@@ -17,7 +17,7 @@
 # .venv, the step builds .ci/venvs/real-te as that command would.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1
+export NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1
 venv=.venv
 if [ ! -x "$venv/bin/python" ]; then
     venv=.ci/venvs/real-te

@@ -7,7 +7,7 @@
 # Python 3.12 comes from pyenv (this machine kind has 3.12.1 under `pyenv root`/versions); the step
 # fails with a clear message where it is missing. The local torch 2.13.0 wheel is cp311 only, so
 # torch 2.13.0 for cp312 comes from the registry (a CUDA build, ~5 GB, that runs on CPU).
-# NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 and NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1 turn the tests'
+# NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 and NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1 turn the tests'
 # skips into failures.
 # Measured on the merged tree (2 cores, lightly loaded): cold venv + install 216 s (with the ~5 GB
 # torch wheel), tests 120 s (4 tests, 8 rank processes). Under a load average of ~12: 1122 s + 373 s.
@@ -40,7 +40,7 @@ case $? in
     *) install_venv || exit 1 ;;
 esac
 t1=$SECONDS
-NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 NPU_FSDP_PATCHES_REQUIRE_TE_WHEELS=1 \
+NPU_FSDP_PATCHES_REQUIRE_MEGATRON_PY312=1 NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1 \
     "$venv/bin/python" -m pytest tests/clients/test_megatron_py312.py -q
 rc=$?
 echo "50-megatron-py312: tests took $((SECONDS - t1)) s"
