@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,3 +72,20 @@ def run_ranks(target: str, world_size: int = 2, *, args: dict | None = None,
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as fh:
                 results.append(pickle.load(fh))
         return results
+
+
+def launch_once(launch: Callable[..., Any]) -> Callable[..., Any]:
+    """``launch`` memoized per arguments, for a module fixture whose one launch serves many tests: each
+    launch runs once, and a failed one (AssertionError) fails every test that uses it with its report."""
+    done: dict = {}
+
+    def get(*key):
+        if key not in done:
+            try:
+                done[key] = launch(*key)
+            except AssertionError as exc:
+                done[key] = exc
+        if isinstance(done[key], AssertionError):
+            raise done[key]
+        return done[key]
+    return get

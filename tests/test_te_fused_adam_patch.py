@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import launch_once, run_ranks
 from tests.multirank import te_fused_adam_cases
 from tests.support import assert_check, run_python
 from tests.te_real import require_te_site, require_tenpu_site
@@ -34,20 +34,9 @@ UNPATCHED_ERRORS = {
 def launch():
     """``launch(flavor)``: that flavor's one 2-rank launch of tests/multirank/te_fused_adam_cases.py,
     run once for every test of it (a failed launch fails each of them with its report)."""
-    done = {}
-
-    def get(flavor):
-        if flavor not in done:
-            try:
-                done[flavor] = run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2,
-                                         args={"flavor": flavor}, timeout=300,
-                                         env={**_ENV, "PYTHONPATH": str(_site(flavor))})
-            except AssertionError as exc:
-                done[flavor] = exc
-        if isinstance(done[flavor], AssertionError):
-            raise done[flavor]
-        return done[flavor]
-    return get
+    return launch_once(lambda flavor: run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2,
+                                                args={"flavor": flavor}, timeout=300,
+                                                env={**_ENV, "PYTHONPATH": str(_site(flavor))}))
 
 
 @pytest.fixture(scope="module", params=FLAVORS)

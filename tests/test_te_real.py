@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.distributed import run_ranks
+from tests.distributed import launch_once, run_ranks
 from tests.support import run_python
 from tests.te_real import require_te_site
 
@@ -45,18 +45,7 @@ THREE_RANKS = ["2.11.0", "2.17.1"]   # also the DCP releases: saved at 2 ranks, 
 def launch(tmp_path_factory):
     """``launch(version, world)``: that release's 2- or 3-rank launch, run once (a failed launch fails
     every test of it with its report); the 3-rank one loads the 2-rank one's DCP checkpoint."""
-    done = {}
-
-    def run(version, world):
-        key = (version, world)
-        if key not in done:
-            try:
-                done[key] = _launch(version, world, run, tmp_path_factory)
-            except AssertionError as exc:
-                done[key] = exc
-        if isinstance(done[key], AssertionError):
-            raise done[key]
-        return done[key]
+    run = launch_once(lambda version, world: _launch(version, world, run, tmp_path_factory))
     return run
 
 
