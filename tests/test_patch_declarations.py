@@ -58,3 +58,27 @@ def _fix_paragraphs() -> dict:
 def test_each_patch_fix_paragraph_in_docs_is_its_declared_doc():
     fixes = _fix_paragraphs()
     assert {d.name: fixes.get(d.name) for d in BUILTINS} == {d.name: " ".join(d.doc.split()) for d in BUILTINS}
+
+
+def _readme_patch_rows() -> list:
+    """The first column of the README's patch table (the table whose header starts with ``| patch |``)."""
+    lines = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| patch |"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line.split("|")[1].strip())
+    return rows
+
+
+def _docs_patch_sections() -> list:
+    """Every third-level heading of docs/patches.md: each is one patch's section."""
+    text = (REPO_ROOT / "docs" / "patches.md").read_text(encoding="utf-8")
+    return [heading.strip() for heading in re.findall(r"^### (.+)$", text, flags=re.M)]
+
+
+def test_every_shipped_patch_has_one_readme_row_and_one_docs_section_and_nothing_else_does():
+    builtins = sorted(d.name for d in BUILTINS)
+    assert sorted(_readme_patch_rows()) == builtins
+    assert sorted(_docs_patch_sections()) == builtins
