@@ -19,7 +19,8 @@ _TOP_KEYS = {"schema_version", "defaults", "frameworks", "patches"}
 _DEFAULTS_KEYS = {"gate", "verified"}
 _FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
-_PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts"}
+_PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts",
+               "why"}
 _CONDITION_KEYS = {"installed", "version", "flavor", "note"}
 _UPSTREAM_KEYS = {"fix", "issues", "notes"}
 
@@ -67,6 +68,7 @@ class PatchSpec(NamedTuple):
     verified: Mapping[str, tuple] = {}
     upstream: Mapping[str, Any] = {}
     facts: str = ""
+    why: str = ""                # why the gate's edges and the targets are where they are
 
     @property
     def target_modules(self) -> tuple:
@@ -300,7 +302,7 @@ def _patch(r: _Reader, name: str, raw: Any, kp: str, frameworks: Mapping,
     if probe is not None and not probe.isidentifier():
         raise r.fail(f"{kp}.stand_down_probe", f"expected a method name, got {probe!r}")
     return PatchSpec(name, r.string(raw, "summary", kp, ""), tuple(targets), tuple(gate), probe,
-                     verified, upstream, r.string(raw, "facts", kp, ""))
+                     verified, upstream, r.string(raw, "facts", kp, ""), r.string(raw, "why", kp, ""))
 
 
 def parse_matrix(text: str, path: str = "<string>") -> Matrix:

@@ -186,6 +186,8 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
             label = f"[{alternative['alternative']}]" if j == 0 else ""
             head = f"  {label:<3} {'yes' if cond['holds'] else 'no ':<3} {cond['requires']}: "
             lines += wrap(head + cond["found"], indent=" " * 10)
+    if spec.why:
+        lines += wrap(f"Why: {spec.why}")
     if spec.stand_down_probe:
         lines.append(f"Stand-down probe: {spec.stand_down_probe} (skipped when upstream already has the fix)")
     if spec.verified:

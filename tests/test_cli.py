@@ -80,6 +80,7 @@ print(json.dumps(out))
     assert lines[0].startswith("  [1] no  transformer-engine [npu flavour] (any version): ")
     assert lines[1].startswith("  [2] no  transformer-engine [nvidia flavour] <2.14,>=2.10: ")
     assert lines[0].endswith(": transformer-engine not installed")
+    assert "\nWhy: NVTE 2.10/2.11 keep plain global-shape states" in out["te_fused_adam_dtensor"]  # matrix `why`
     gate = json.loads(out["--json"])["gate"]
     assert [a["alternative"] for a in gate] == [1, 2] and not any(a["holds"] for a in gate)
     te = gate[1]["conditions"][0]

@@ -58,6 +58,10 @@ def test_shipped_matrix_is_valid_and_lists_the_six_patches():
                               "hp_fp32_main_params", "hp_skip_dispatch_adamw"}
     for spec in m.patches.values():
         assert spec.summary and spec.facts and spec.upstream and spec.verified, spec.name
+    # the upstream history behind the gates is a field `explain` prints, not a comment in the YAML
+    assert {name for name, spec in m.patches.items() if spec.why} == {
+        "te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_fused_adam_empty_scale",
+        "hp_skip_dispatch_adamw"}
 
 
 def _import_survives(tmp_path, name: str, text: str):
@@ -102,6 +106,7 @@ FRAMEWORK_WITH_RULES = GOOD.replace(
      "expected a string"),
     (GOOD.replace("    summary: s", "    summary: s\n    stand_down_probe: [probe]"),
      "patches.p1.stand_down_probe", 7, "expected a string"),
+    (GOOD.replace("    summary: s", "    summary: s\n    why: [a, b]"), "patches.p1.why", 7, "expected a string"),
     (GOOD.replace("schema_version: 1", 'schema_version: "1"'), "schema_version", 1, "expected an integer"),
     (GOOD.replace("schema_version: 1", "schema_version: true"), "schema_version", 1, "expected an integer"),
     (GOOD.replace("    summary: s", "    summary: s\n    summary: t"), "patches.p1.summary", 7,
