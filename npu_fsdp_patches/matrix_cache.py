@@ -3,17 +3,22 @@
 Loading and validating compat_matrix.yaml is a third of activation (yaml's import alone compiles a
 large regular expression). The result of ``parse_matrix`` is stored with :mod:`marshal` (plain data,
 the format of ``.pyc`` files; nothing is executed on load) in the package's ``__pycache__``, else
-in the user's cache folder. It is used only when it was built from exactly the same matrix text, by
-the same ``matrix.py`` (size and mtime) and the same Python; anything else is parsed again. Every
-failure to read or write it is silent and falls back to parsing: the cache can make activation
-faster, never different. Nothing is written when bytecode writing is off (``-B``,
-PYTHONDONTWRITEBYTECODE) or from a zip.
+in the user's cache folder (one file per installed package folder, so several venvs do not evict each
+other). It is used only when it was built from exactly the same matrix text, by the same ``matrix.py``
+(size and mtime) and the same Python; anything else is parsed again. Every failure to read or write it
+is silent and falls back to parsing: the cache can make activation faster, never different.
+
+Bytecode writing off (``-B``, PYTHONDONTWRITEBYTECODE, common in container images) keeps it out of
+``__pycache__``, as it keeps ``.pyc`` files out, but not out of the user's cache folder: there pip
+has already compiled the ``.pyc`` files at install time, and without the stored matrix every
+activation would parse and validate the YAML again. Nothing is written from a zip.
 """
 from __future__ import annotations
 
 import marshal
 import os
 import sys
+import zlib
 from typing import Callable
 
 from . import matrix
@@ -79,11 +84,12 @@ def _key(text: str, path: str) -> tuple | None:
 
 
 def _locations(stem: str) -> list:
-    name = f"{stem}.{sys.implementation.cache_tag}.marshal"
-    folders = [os.path.join(os.path.dirname(os.path.abspath(matrix.__file__)), "__pycache__")]
+    """Beside the package (like a .pyc), then the user's cache folder, named by the package's folder."""
+    package = os.path.dirname(os.path.abspath(matrix.__file__))
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folders.append(os.path.join(home, "npu_fsdp_patches"))
-    return [os.path.join(folder, name) for folder in folders]
+    tag = sys.implementation.cache_tag
+    return [os.path.join(package, "__pycache__", f"{stem}.{tag}.marshal"),
+            os.path.join(home, "npu_fsdp_patches", f"{stem}-{zlib.crc32(package.encode()):08x}.{tag}.marshal")]
 
 
 def _read(location: str, key: tuple):
@@ -96,8 +102,9 @@ def _read(location: str, key: tuple):
 
 
 def _write(locations: list, key: tuple, found) -> None:
+    """Into the first location that can be written; with bytecode writing off, not beside the package."""
     if sys.dont_write_bytecode:
-        return
+        locations = locations[1:]
     try:
         payload = marshal.dumps((key, _encode(found)))
     except (_Uncacheable, ValueError):

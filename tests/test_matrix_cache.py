@@ -1,5 +1,6 @@
 """The compiled form of the shipped matrix (npu_fsdp_patches/matrix_cache.py): used only for exactly
 the text it was built from, never a different result, silent when it cannot be read or written."""
+import pathlib
 import sys
 from typing import NamedTuple
 
@@ -54,12 +55,24 @@ def test_an_unreadable_or_unwritable_cache_falls_back_to_parsing(cache, tmp_path
     assert len(calls) == 1                          # the second location was rewritten and read back
 
 
-def test_nothing_is_written_when_bytecode_writing_is_off(cache, monkeypatch):
+def test_bytecode_writing_off_keeps_it_out_of_the_package_but_not_out_of_the_user_cache(cache, monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     calls = []
     matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls))
-    matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls))
-    assert len(calls) == 2
+    assert matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls)) == matrix.parse_matrix(
+        matrix.shipped_text(), "s")
+    assert len(calls) == 1
+    beside_package, user_cache = (pathlib.Path(location) for location in cache)
+    assert not beside_package.parent.exists() and user_cache.is_file()
+
+
+def test_each_package_folder_has_its_own_user_cache_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = matrix_cache._locations("compat_matrix")
+    monkeypatch.setattr(matrix, "__file__", str(tmp_path / "other-venv" / "npu_fsdp_patches" / "matrix.py"))
+    second = matrix_cache._locations("compat_matrix")
+    assert first[0] != second[0] and first[1] != second[1]
+    assert all(location.startswith(str(tmp_path / "npu_fsdp_patches")) for location in (first[1], second[1]))
 
 
 def test_a_matrix_holding_a_type_the_cache_does_not_know_is_never_stored(cache):
