@@ -4,8 +4,10 @@ target <= 3%).
 Each sample is a fresh interpreter timing only the import statement (interpreter start-up excluded).
 torch is timed with TORCH_DEVICE_BACKEND_AUTOLOAD=0 so it does not include our own autoload.
 Bytecode writing is on and one untimed import comes first, as after ``pip install`` plus one run: the
-.pyc files and the compiled matrix (npu_fsdp_patches/matrix_cache.py) exist.
-Usage: python benchmarks/import_overhead.py [--runs N] [--json]
+.pyc files and the compiled matrix (npu_fsdp_patches/matrix_cache.py) exist. ``--dont-write-bytecode``
+runs every interpreter with PYTHONDONTWRITEBYTECODE=1 instead, as many container images do (the .pyc
+files pip compiled are still read; the compiled matrix lives in the user's cache folder).
+Usage: python benchmarks/import_overhead.py [--runs N] [--dont-write-bytecode] [--json]
 """
 from __future__ import annotations
 
@@ -43,17 +45,20 @@ def importtime_top(module: str, env: dict, top: int = 8) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--dont-write-bytecode", action="store_true", help="PYTHONDONTWRITEBYTECODE=1")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("NPU_FSDP_PATCHES") and k != "PYTHONDONTWRITEBYTECODE"}
+    if args.dont_write_bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     torch_env = {**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     sample("npu_fsdp_patches", 1, env)   # warm-up: .pyc files and the compiled matrix
     plugin = statistics.median(sample("npu_fsdp_patches", args.runs, env))
     torch = statistics.median(sample("torch", args.runs, torch_env))
     check = subprocess.run([sys.executable, "-c", "import sys, npu_fsdp_patches; print('torch' in sys.modules)"],
                            capture_output=True, text=True, env=env, check=True).stdout.strip()
-    result = {"runs": args.runs, "plugin_s": plugin, "torch_s": torch, "ratio": plugin / torch,
+    result = {"runs": args.runs, "dont_write_bytecode": args.dont_write_bytecode, "plugin_s": plugin, "torch_s": torch, "ratio": plugin / torch,
               "target_ratio": 0.03, "torch_imported_by_plugin": check == "True",
               "importtime_top": importtime_top("npu_fsdp_patches", env)}
     if args.json:
