@@ -58,7 +58,8 @@ def main() -> None:
     torch = statistics.median(sample("torch", args.runs, torch_env))
     check = subprocess.run([sys.executable, "-c", "import sys, npu_fsdp_patches; print('torch' in sys.modules)"],
                            capture_output=True, text=True, env=env, check=True).stdout.strip()
-    result = {"runs": args.runs, "dont_write_bytecode": args.dont_write_bytecode, "plugin_s": plugin, "torch_s": torch, "ratio": plugin / torch,
+    result = {"runs": args.runs, "dont_write_bytecode": args.dont_write_bytecode,
+              "plugin_s": plugin, "torch_s": torch, "ratio": plugin / torch,
               "target_ratio": 0.03, "torch_imported_by_plugin": check == "True",
               "importtime_top": importtime_top("npu_fsdp_patches", env)}
     if args.json:

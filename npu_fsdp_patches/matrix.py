@@ -19,8 +19,7 @@ _TOP_KEYS = {"schema_version", "defaults", "frameworks", "patches"}
 _DEFAULTS_KEYS = {"gate", "verified"}
 _FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
-_PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts",
-               "why"}
+_PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts", "why"}
 _CONDITION_KEYS = {"installed", "version", "flavor", "note"}
 _UPSTREAM_KEYS = {"fix", "issues", "notes"}
 

@@ -9,9 +9,9 @@ other). It is used only when it was built from exactly the same matrix text, by 
 is silent and falls back to parsing: the cache can make activation faster, never different.
 
 Bytecode writing off (``-B``, PYTHONDONTWRITEBYTECODE, common in container images) keeps it out of
-``__pycache__``, as it keeps ``.pyc`` files out, but not out of the user's cache folder: there pip
-has already compiled the ``.pyc`` files at install time, and without the stored matrix every
-activation would parse and validate the YAML again. Nothing is written from a zip.
+``__pycache__``, as it keeps ``.pyc`` files out, but not out of the user's cache folder: the
+``.pyc`` files still come from pip's compile step at install time, this cache has no such step, and
+without it every activation would parse and validate the YAML again. Nothing is written from a zip.
 """
 from __future__ import annotations
 
