@@ -84,12 +84,19 @@ def _key(text: str, path: str) -> tuple | None:
 
 
 def _locations(stem: str) -> list:
-    """Beside the package (like a .pyc), then the user's cache folder, named by the package's folder."""
+    """Beside the package (like a .pyc), then the user's cache folder, named by the package's folder.
+    A relative cache folder (a relative XDG_CACHE_HOME, which the XDG spec says to ignore, or no home
+    directory) is never used: it would write into the training script's working directory."""
     package = os.path.dirname(os.path.abspath(matrix.__file__))
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     tag = sys.implementation.cache_tag
-    return [os.path.join(package, "__pycache__", f"{stem}.{tag}.marshal"),
-            os.path.join(home, "npu_fsdp_patches", f"{stem}-{zlib.crc32(package.encode()):08x}.{tag}.marshal")]
+    locations = [os.path.join(package, "__pycache__", f"{stem}.{tag}.marshal")]
+    home = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(home):
+        home = os.path.join(os.path.expanduser("~"), ".cache")
+    if os.path.isabs(home):
+        name = f"{stem}-{zlib.crc32(package.encode()):08x}.{tag}.marshal"
+        locations.append(os.path.join(home, "npu_fsdp_patches", name))
+    return locations
 
 
 def _read(location: str, key: tuple):

@@ -1,5 +1,6 @@
 """The compiled form of the shipped matrix (npu_fsdp_patches/matrix_cache.py): used only for exactly
 the text it was built from, never a different result, silent when it cannot be read or written."""
+import os
 import pathlib
 import sys
 from typing import NamedTuple
@@ -64,6 +65,16 @@ def test_bytecode_writing_off_keeps_it_out_of_the_package_but_not_out_of_the_use
     assert len(calls) == 1
     beside_package, user_cache = (pathlib.Path(location) for location in cache)
     assert not beside_package.parent.exists() and user_cache.is_file()
+
+
+def test_a_relative_cache_folder_is_never_used(monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setattr(matrix_cache.os.path, "expanduser", lambda path: path)   # no home directory
+    (beside_package,) = matrix_cache._locations("compat_matrix")
+    assert beside_package.endswith(".marshal") and os.path.isabs(beside_package)
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert matrix_cache._locations("compat_matrix")[1].startswith(os.path.expanduser("~"))
 
 
 def test_each_package_folder_has_its_own_user_cache_file(monkeypatch, tmp_path):
