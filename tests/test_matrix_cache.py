@@ -68,13 +68,12 @@ def test_bytecode_writing_off_keeps_it_out_of_the_package_but_not_out_of_the_use
 
 
 def test_a_relative_cache_folder_is_never_used(monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
-    monkeypatch.setattr(matrix_cache.os.path, "expanduser", lambda path: path)   # no home directory
-    (beside_package,) = matrix_cache._locations("compat_matrix")
-    assert beside_package.endswith(".marshal") and os.path.isabs(beside_package)
-    monkeypatch.undo()
-    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")                 # ignored: the home folder's
     assert matrix_cache._locations("compat_matrix")[1].startswith(os.path.expanduser("~"))
+    with monkeypatch.context() as no_home:
+        no_home.setattr(matrix_cache.os.path, "expanduser", lambda path: path)   # "~" stays relative
+        (beside_package,) = matrix_cache._locations("compat_matrix")
+    assert beside_package.endswith(".marshal") and os.path.isabs(beside_package)
 
 
 def test_each_package_folder_has_its_own_user_cache_file(monkeypatch, tmp_path):
