@@ -90,7 +90,25 @@ def builtin_table() -> dict:
         return _read_builtin_table()
     from . import matrix_cache  # pylint: disable=import-outside-toplevel
 
-    return dict(matrix_cache.cached("builtin_patches", stamp, _read_builtin_table))
+    table = matrix_cache.cached("builtin_patches", stamp, _read_builtin_table)
+    if not _only_builtin_modules(table, stamp, path):
+        table = _read_builtin_table()       # a cache is data, never a source of module names
+    return dict(table)
+
+
+def _only_builtin_modules(table, stamp: tuple, path: list) -> bool:
+    """Whether every "module:Class" of a stored table names one of the patch files the stamp lists (the
+    package's own ``patches/``), so that a forged cache cannot make activation import another module."""
+    own = {f"{BUILTIN_PACKAGE}.{name[:-3]}" for folder, name, *_ in stamp[1:] if folder in path}
+    if not isinstance(table, dict):
+        return False
+    for name, value in table.items():
+        if not (isinstance(name, str) and isinstance(value, str) and value.count(":") == 1):
+            return False
+        module, cls = value.split(":")
+        if module not in own or not cls.isidentifier():
+            return False
+    return True
 
 
 def _stamp(path: list) -> tuple | None:

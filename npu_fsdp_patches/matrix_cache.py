@@ -1,30 +1,34 @@
 """A validated, compiled form of the shipped matrix, so activation neither imports yaml nor validates.
 
 Loading and validating compat_matrix.yaml is a third of activation (yaml's import alone compiles a
-large regular expression). The result of ``parse_matrix`` is stored with :mod:`marshal` (plain data,
-the format of ``.pyc`` files; nothing is executed on load) in the package's ``__pycache__``, else
-in the user's cache folder (one file per installed package folder, so several venvs do not evict each
-other). It is used only when it was built from exactly the same matrix text, by the same ``matrix.py``
-(size and mtime) and the same Python; anything else is parsed again. Every failure to read or write it
-is silent and falls back to parsing: the cache can make activation faster, never different.
+large regular expression). The result of ``parse_matrix`` is stored with :mod:`marshal` (plain data;
+nothing is executed on load, and only plain values and the matrix's own types are decoded) in the
+user's cache folder, one file per installed package folder, so several venvs do not evict each other.
+It is used only when it was built from exactly the same matrix text, by the same ``matrix.py`` (size
+and mtime) and the same Python; anything else is parsed again. Every failure to read or write it falls
+back to parsing: the cache can make activation faster, never different.
 
-Bytecode writing off (``-B``, PYTHONDONTWRITEBYTECODE, common in container images) keeps it out of
-``__pycache__``, as it keeps ``.pyc`` files out, but not out of the user's cache folder: the
-``.pyc`` files still come from pip's compile step at install time, this cache has no such step, and
-without it every activation would parse and validate the YAML again. Nothing is written from a zip.
+It is read and written as CPython writes ``.pyc`` files and pip guards its cache (docs/security.md):
+a folder or file owned by another user, or writable by group or others, is not used; only a regular
+file is read, never through a link and never with a blocking open; the temporary file is created
+exclusively under an unpredictable name, then renamed into place.
 """
 from __future__ import annotations
 
 import marshal
 import os
+import stat
 import sys
 import zlib
 from typing import Callable
 
 from . import matrix
+from .plugin_log import log
 from .versions import VersionBounds
 
-FORMAT = 1
+FORMAT = 2
+_MAX_BYTES = 8 << 20     # far above the shipped matrix; a larger file is not ours
+_KEEP = 32              # cache files kept: two per installed package folder
 #: the NamedTuples of a Matrix, by name; an unknown type makes the matrix uncacheable (parsed each time)
 _TYPES = {cls.__name__: cls for cls in (matrix.Target, matrix.Condition, matrix.FlavorRule,
                                         matrix.FrameworkSpec, matrix.PatchSpec, matrix.PatchDefaults,
@@ -59,6 +63,8 @@ def _encode(value):
 def _decode(item):
     kind, value = item
     if kind == "value":
+        if value is not None and type(value) not in (str, bool, int, float):
+            raise _Uncacheable(type(value).__name__)     # e.g. a code object in a crafted file
         return value
     if kind == "VersionBounds":
         return VersionBounds(value)
@@ -84,51 +90,144 @@ def _key(text: str, path: str) -> tuple | None:
 
 
 def _locations(stem: str) -> list:
-    """Beside the package (like a .pyc), then the user's cache folder, named by the package's folder.
-    A relative cache folder (a relative XDG_CACHE_HOME, which the XDG spec says to ignore, or no home
-    directory) is never used: it would write into the training script's working directory."""
+    """The user's cache folder, one file per installed package folder; never beside the package, so that
+    nothing of ours outside pip's RECORD is left in site-packages (uninstall leaves nothing importable)
+    and PYTHONPYCACHEPREFIX and read-only installs need no special case. A relative cache folder (a
+    relative XDG_CACHE_HOME, which the XDG spec says to ignore, or no home directory) is never used:
+    it would write into the training script's working directory."""
     package = os.path.dirname(os.path.abspath(matrix.__file__))
-    tag = sys.implementation.cache_tag
-    locations = [os.path.join(package, "__pycache__", f"{stem}.{tag}.marshal")]
     home = os.environ.get("XDG_CACHE_HOME", "")
     if not os.path.isabs(home):
         home = os.path.join(os.path.expanduser("~"), ".cache")
-    if os.path.isabs(home):
-        name = f"{stem}-{zlib.crc32(package.encode()):08x}.{tag}.marshal"
-        locations.append(os.path.join(home, "npu_fsdp_patches", name))
-    return locations
+    if not os.path.isabs(home):
+        return []
+    name = f"{stem}-{zlib.crc32(package.encode()):08x}.{sys.implementation.cache_tag}.marshal"
+    return [os.path.join(home, "npu_fsdp_patches", name)]
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a cache folder or file is not ours to use: another owner, or group/others may write it
+    (pip's cache and git's safe.directory apply the same rule); None when it is."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not {os.getuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+_SAID: set = set()
+
+
+def _skip(location: str, why: str) -> None:
+    """One DEBUG line per location and reason: activation then runs as with no cache."""
+    if (location, why) not in _SAID:
+        _SAID.add((location, why))
+        log.debug("cache %s not used: %s", location, why)
+
+
+def _folder_problem(folder: str) -> str | None:
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        return f"folder: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "folder is not a directory (a link or a file)"
+    problem = _untrusted(st)
+    return problem and f"folder {problem}"
+
+
+def _read_bytes(location: str) -> bytes | None:
+    """The file's bytes when it is a regular file we own that nobody else may write; never follows a
+    link and never blocks (a FIFO is opened non-blocking, then refused)."""
+    try:
+        problem = _folder_problem(os.path.dirname(location))
+    except FileNotFoundError:
+        return None
+    if problem:
+        return _skip(location, problem)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(location, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return _skip(location, f"cannot open it: {exc.strerror}")
+    try:
+        st = os.fstat(fd)
+        problem = "not a regular file" if not stat.S_ISREG(st.st_mode) else _untrusted(st)
+        if problem:
+            return _skip(location, problem)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(_MAX_BYTES + 1)
+    except OSError as exc:
+        return _skip(location, f"cannot read it: {exc.strerror}")
+    finally:
+        os.close(fd)
 
 
 def _read(location: str, key: tuple):
-    try:
-        with open(location, "rb") as fh:
-            stored_key, data = marshal.load(fh)
-        return _decode(data) if stored_key == key else None
+    data = _read_bytes(location)
+    if data is None or len(data) > _MAX_BYTES:
+        return None
+    try:    # marshal is not safe against crafted data: anything it raises, or a wrong shape, is no cache
+        loaded = marshal.loads(data)
+        if not (type(loaded) is tuple and len(loaded) == 2 and loaded[0] == key):
+            return None
+        return _decode(loaded[1])
     except Exception:  # noqa: BLE001 - a cache that cannot be read is no cache
+        _skip(location, "malformed")
         return None
 
 
 def _write(locations: list, key: tuple, found) -> None:
-    """Into the first location that can be written; with bytecode writing off, not beside the package."""
-    if sys.dont_write_bytecode:
-        locations = locations[1:]
+    """Into the first location that can be written: a temporary file created exclusively (O_EXCL,
+    never through a link, an unpredictable name, mode 0600) in the same folder, then renamed into
+    place, as CPython's ``importlib._bootstrap_external._write_atomic`` writes a ``.pyc``."""
     try:
         payload = marshal.dumps((key, _encode(found)))
     except (_Uncacheable, ValueError):
         return
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     for location in locations:
-        temporary = f"{location}.{os.getpid()}.tmp"
+        folder = os.path.dirname(location)
         try:
-            os.makedirs(os.path.dirname(location), exist_ok=True)
-            with open(temporary, "wb") as fh:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        except OSError:
+            continue
+        problem = _folder_problem(folder)   # the folder exists: makedirs made it or found it
+        if problem:
+            _skip(location, problem)
+            continue
+        temporary = os.path.join(folder, f".{os.path.basename(location)}.{os.urandom(8).hex()}.tmp")
+        try:
+            fd = os.open(temporary, flags, 0o600)
+        except OSError:
+            continue
+        try:
+            with os.fdopen(fd, "wb") as fh:
                 fh.write(payload)
             os.replace(temporary, location)   # atomic: a concurrent reader sees the old or the new file
+            _evict(folder)
             return
         except OSError:
             try:
                 os.unlink(temporary)
             except OSError:
                 pass
+
+
+def _evict(folder: str) -> None:
+    """At most ``_KEEP`` cache files: the least recently written go (venvs that no longer exist)."""
+    try:
+        with os.scandir(folder) as entries:
+            files = [(e.stat(follow_symlinks=False).st_mtime_ns, e.path) for e in entries
+                     if e.name.endswith(".marshal") and e.is_file(follow_symlinks=False)]
+        for _, path in sorted(files)[:-_KEEP]:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def cached(stem: str, key: tuple, compute: Callable[[], object]):

@@ -13,10 +13,9 @@ from tests.support import run_python
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """Cache files under tmp_path, bytecode writing on; returns the two locations."""
+    """Cache files under tmp_path; returns the two locations (the first may be unwritable)."""
     locations = [str(tmp_path / "pkg" / "__pycache__" / "m.marshal"), str(tmp_path / "home" / "m.marshal")]
     monkeypatch.setattr(matrix_cache, "_locations", lambda _stem: list(locations))
-    monkeypatch.setattr(sys, "dont_write_bytecode", False)
     return locations
 
 
@@ -56,24 +55,22 @@ def test_an_unreadable_or_unwritable_cache_falls_back_to_parsing(cache, tmp_path
     assert len(calls) == 1                          # the second location was rewritten and read back
 
 
-def test_bytecode_writing_off_keeps_it_out_of_the_package_but_not_out_of_the_user_cache(cache, monkeypatch):
-    monkeypatch.setattr(sys, "dont_write_bytecode", True)
-    calls = []
-    matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls))
-    assert matrix_cache.load(matrix.shipped_text(), "s", counting_parse(calls)) == matrix.parse_matrix(
-        matrix.shipped_text(), "s")
-    assert len(calls) == 1
-    beside_package, user_cache = (pathlib.Path(location) for location in cache)
-    assert not beside_package.parent.exists() and user_cache.is_file()
+def test_nothing_is_written_beside_the_package_with_or_without_bytecode(monkeypatch, tmp_path):
+    """Uninstall must leave nothing of ours in site-packages: pip's RECORD lists no cache file."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (location,) = matrix_cache._locations("compat_matrix")
+    assert location.startswith(str(tmp_path / "npu_fsdp_patches"))
+    package = str(pathlib.Path(matrix.__file__).parent)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert not any(loc.startswith(package) for loc in matrix_cache._locations("builtin_patches"))
 
 
 def test_a_relative_cache_folder_is_never_used(monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")                 # ignored: the home folder's
-    assert matrix_cache._locations("compat_matrix")[1].startswith(os.path.expanduser("~"))
+    assert matrix_cache._locations("compat_matrix")[0].startswith(os.path.expanduser("~"))
     with monkeypatch.context() as no_home:
         no_home.setattr(matrix_cache.os.path, "expanduser", lambda path: path)   # "~" stays relative
-        (beside_package,) = matrix_cache._locations("compat_matrix")
-    assert beside_package.endswith(".marshal") and os.path.isabs(beside_package)
+        assert matrix_cache._locations("compat_matrix") == []
 
 
 def test_each_package_folder_has_its_own_user_cache_file(monkeypatch, tmp_path):
@@ -81,8 +78,8 @@ def test_each_package_folder_has_its_own_user_cache_file(monkeypatch, tmp_path):
     first = matrix_cache._locations("compat_matrix")
     monkeypatch.setattr(matrix, "__file__", str(tmp_path / "other-venv" / "npu_fsdp_patches" / "matrix.py"))
     second = matrix_cache._locations("compat_matrix")
-    assert first[0] != second[0] and first[1] != second[1]
-    assert all(location.startswith(str(tmp_path / "npu_fsdp_patches")) for location in (first[1], second[1]))
+    assert first != second
+    assert all(location.startswith(str(tmp_path / "npu_fsdp_patches")) for location in first + second)
 
 
 def test_a_matrix_holding_a_type_the_cache_does_not_know_is_never_stored(cache):
