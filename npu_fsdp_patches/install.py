@@ -74,11 +74,12 @@ def _stood_down(life: Lifecycle, record: PatchRecord, patch, spec) -> bool:
     with life.lock:
         verdict = life.probed.get(record.name)
     if verdict is None:
-        verdict = bool(getattr(patch, probe)())   # verify.problems checked it exists
+        verdict = getattr(patch, probe)()   # verify.problems checked it exists
+        verdict = verdict if isinstance(verdict, str) else bool(verdict)   # a str names the reason
     with life.lock:
         verdict = life.probed.setdefault(record.name, verdict)
         if verdict and record.live and not record.applied_targets:
-            record.mark_skipped(f"upstream has it (probe {probe})")
+            record.mark_skipped(verdict if isinstance(verdict, str) else f"upstream has it (probe {probe})")
             log.info("patch %s skipped: upstream has it", record.name)
     return verdict
 

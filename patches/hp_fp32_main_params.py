@@ -16,26 +16,48 @@ inside the replacements only (the hook fires right after the trainer module is i
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
+import sys
 
 from npu_fsdp_patches.patch import Patch
 
 _UPSTREAM_MODULE = "hyper_parallel.components.optim.mixed_precision_optimizer"
 
 
+_TRAINER_MODULES = ("hyper_parallel.trainer.base", "hyper_parallel.auto_models.trainer.base")
+
+
+def _config_argument(original, args, kwargs):
+    """The ``config`` the call passes (positional or keyword), bound by the original's own signature;
+    None when the call does not bind (the original then raises its own TypeError)."""
+    try:
+        return inspect.signature(original).bind(None, *args, **kwargs).arguments.get("config")
+    except TypeError:
+        return None
+
+
 def _init(original):
-    def __init__(self, config, *args, **kwargs):
-        from npu_fsdp_patches.optim import validate_fp32_main_params_config
-        validate_fp32_main_params_config(config)      # before the model is built; never rewrites
-        return original(self, config, *args, **kwargs)
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        config = _config_argument(original, args, kwargs)
+        if config is not None:
+            from npu_fsdp_patches.optim import validate_fp32_main_params_config
+            validate_fp32_main_params_config(config)      # before the model is built; never rewrites
+        return original(self, *args, **kwargs)
     return __init__
 
 
 def _build_optimizer(original):
+    @functools.wraps(original)
     def _build_optimizer(self, *args, **kwargs):
         optimizer = original(self, *args, **kwargs)
+        config = getattr(self, "config", None)
+        if config is None:     # not the config lineage: never an AttributeError the original lacks
+            return optimizer
         from npu_fsdp_patches.optim.model_dtype import fp32_main_params_enabled
-        if not fp32_main_params_enabled(self.config):
+        if not fp32_main_params_enabled(config):
             return optimizer
         from npu_fsdp_patches.optim import MainParamsOptimizer
         return MainParamsOptimizer(optimizer, self.model)
@@ -83,9 +105,36 @@ class HpFp32MainParams(Patch):
     factories = {"__init__": _init, "_build_optimizer": _build_optimizer,
                  "save_checkpoint": _save_checkpoint, "load_checkpoint": _load_checkpoint}
 
-    def upstream_has_wrapper(self) -> bool:
-        """True when hyper-parallel ships its own FP32 main-param wrapper (stand down)."""
+    def upstream_has_wrapper(self) -> str:
+        """The reason to stand down, or "" to wrap: upstream ships its FP32 wrapper, or the imported
+        trainer is not the config-lineage ``BaseTrainer(config, ...)`` whose contract we know."""
         try:
-            return importlib.util.find_spec(_UPSTREAM_MODULE) is not None
+            if importlib.util.find_spec(_UPSTREAM_MODULE) is not None:
+                return f"upstream has it ({_UPSTREAM_MODULE})"
         except ModuleNotFoundError:   # a parent package is missing
-            return False
+            pass
+        for name in _TRAINER_MODULES:
+            module = sys.modules.get(name)
+            if module is not None:
+                reason = trainer_shape_problem(module)
+                if reason:
+                    return reason
+        return ""
+
+
+def trainer_shape_problem(module) -> str:
+    """Why ``module``'s trainer is not the config lineage (``BaseTrainer.__init__(self, config, ...)``
+    with ``_build_optimizer``); "" when it is. Decided by the target's signature, not its version."""
+    if hasattr(module, "HyperTrainer"):
+        return "unknown trainer shape: HyperTrainer (RFC hyper-parallel#726) has no known contract"
+    trainer = getattr(module, "BaseTrainer", None)
+    init = getattr(trainer, "__init__", None)
+    if trainer is None or not callable(getattr(trainer, "_build_optimizer", None)):
+        return "unknown trainer shape: no BaseTrainer._build_optimizer"
+    try:
+        params = list(inspect.signature(init).parameters)[1:2]
+    except (TypeError, ValueError):
+        params = []
+    if params != ["config"]:
+        return f"unknown trainer shape: BaseTrainer.__init__ takes {params or 'nothing'}, not config (args lineage)"
+    return ""

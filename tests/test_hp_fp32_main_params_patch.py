@@ -66,3 +66,37 @@ def test_patch_covers_the_older_auto_models_trainer_path(hyper_site):
     assert out["optimizer"] == "MainParamsOptimizer"
     assert out["models_built_for_bad_configs"] == 0
     assert out["head_main_changed"] is True and out["resume_loss_equal"] is True
+
+
+def _trainer_module(init_source: str, extra: str = ""):
+    """A module holding a ``BaseTrainer`` with the given ``__init__`` (the lineage under test)."""
+    import types
+    module = types.ModuleType("lineage_case")
+    exec(f"class BaseTrainer:\n    {init_source}\n    def _build_optimizer(self):\n        return 'built'\n{extra}",
+         module.__dict__)
+    return module
+
+
+def test_lineages_are_decided_by_signature():
+    from patches.hp_fp32_main_params import trainer_shape_problem
+    assert trainer_shape_problem(_trainer_module("def __init__(self, config, model_fn): pass")) == ""
+    args = trainer_shape_problem(_trainer_module("def __init__(self, args): pass"))
+    assert "args lineage" in args and "['args']" in args
+    hyper = trainer_shape_problem(_trainer_module("def __init__(self, config): pass",
+                                                  "class HyperTrainer:\n    pass\n"))
+    assert "HyperTrainer" in hyper
+
+
+def test_wrappers_pass_keyword_and_positional_construction_through():
+    import inspect
+    from patches.hp_fp32_main_params import _build_optimizer, _init
+    module = _trainer_module("def __init__(self, args):\n        self.args = args\n"
+                             "        self.optimizer = self._build_optimizer()")
+    cls = module.BaseTrainer
+    original = cls.__init__
+    cls.__init__ = _init(original)
+    cls._build_optimizer = _build_optimizer(cls.__dict__["_build_optimizer"])
+    assert inspect.signature(cls.__init__) == inspect.signature(original)
+    assert cls.__init__.__wrapped__ is original
+    for trainer in (cls({"train": 1}), cls(args={"train": 1})):   # no self.config: no AttributeError
+        assert trainer.optimizer == "built" and trainer.args == {"train": 1}
