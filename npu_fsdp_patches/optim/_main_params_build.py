@@ -43,34 +43,57 @@ def leaf_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return leaves
 
 
+def check_params(leaves: list[torch.optim.Optimizer], fqn_by_id: dict[int, str]) -> None:
+    """Every check of the wrap, run before the first swap (validate, then commit: a refusal leaves
+    the optimizer as it was): each param is a model param, in one group only, of a supported dtype."""
+    seen: set[int] = set()
+    for leaf in leaves:
+        for g, group in enumerate(leaf.param_groups):
+            for i, p in enumerate(group["params"]):
+                fqn = fqn_by_id.get(id(p))
+                if fqn is None:
+                    raise ValueError(f"param {i} of group {g} of {type(leaf).__name__} is not a parameter "
+                                     f"of the model, so it has no FQN")
+                if id(p) in seen:
+                    raise ValueError(f"parameter {fqn!r} appears in more than one param group")
+                if p.dtype not in LOW_PRECISION and p.dtype != torch.float32:
+                    raise TypeError(f"parameter {fqn!r} has dtype {p.dtype}; MainParamsOptimizer "
+                                    f"supports float16, bfloat16 and float32 params only")
+                seen.add(id(p))
+
+
 def swap_in_main_params(leaf: torch.optim.Optimizer, g: int, group: dict, fqn_by_id: dict[int, str],
-                        seen: set[int]) -> tuple[list, list, list, list]:
+                        undo: list) -> tuple[list, list, list, list]:
     """Put an fp32 main param in place of each bf16/fp16 param of ``leaf``'s group ``g`` (its state
-    moves with it). Returns ``(float16, fp32_from_float16, fp32_from_fp32, [(param, fqn), ...])``;
-    ``seen`` (ids of params already wrapped) catches a param that sits in two groups."""
+    moves with it). Returns ``(float16, fp32_from_float16, fp32_from_fp32, [(param, fqn), ...])``.
+    The params were checked by :func:`check_params`; each swap is recorded in ``undo`` first, so
+    :func:`undo_swaps` can put everything back if a later step fails."""
     float16, fp32_from_float16, fp32_from_fp32, fqns = [], [], [], []
     for i, p in enumerate(group["params"]):
-        fqn = fqn_by_id.get(id(p))
-        if fqn is None:
-            raise ValueError(f"param {i} of group {g} of {type(leaf).__name__} is not a parameter of "
-                             f"the model, so it has no FQN")
-        if id(p) in seen:
-            raise ValueError(f"parameter {fqn!r} appears in more than one param group")
+        fqn = fqn_by_id[id(p)]
         if p.dtype in LOW_PRECISION:
             main = fp32_main_param(p)
+            undo.append((leaf, group, i, p, main))
             group["params"][i] = main
             if p in leaf.state:
                 leaf.state[main] = leaf.state.pop(p)
             float16.append(p)
             fp32_from_float16.append(main)
-        elif p.dtype == torch.float32:
-            fp32_from_fp32.append(p)
         else:
-            raise TypeError(f"parameter {fqn!r} has dtype {p.dtype}; MainParamsOptimizer "
-                            f"supports float16, bfloat16 and float32 params only")
+            fp32_from_fp32.append(p)
         fqns.append((p, fqn))
-        seen.add(id(p))
     return float16, fp32_from_float16, fp32_from_fp32, fqns
+
+
+def undo_swaps(undo: list) -> None:
+    """Put the model params back into the groups and their state back under them, newest first."""
+    for leaf, group, i, p, main in reversed(undo):
+        if group["params"][i] is main:
+            group["params"][i] = p
+        if main in leaf.state:
+            leaf.state[p] = leaf.state.pop(main)
+        elif p in leaf.state and not leaf.state[p]:
+            del leaf.state[p]   # a defaultdict lookup during the failed call made an empty entry
 
 
 def reset_param_caches(optimizer: Any, leaves: list[torch.optim.Optimizer],

@@ -115,17 +115,25 @@ def raise_partial_main_params(missing: Iterable[str]) -> None:
         f"model params.")
 
 
-def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:
-    """Copy a saved main param into ``dst`` local shard to local shard (no collective)."""
+def check_main_param(dst: torch.Tensor, src: Any, name: str) -> None:
+    """Refuse a saved main param that cannot be copied into ``dst`` (run before any write)."""
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"main param of {name!r}: saved value is a {type(src).__name__}, not a tensor")
     dst_local, src_local = local_tensor(dst), local_tensor(src)
-    if dst_local is src_local:
-        return
     if dst_local.shape != src_local.shape:
         raise ValueError(f"main param of {name!r}: saved local shape {tuple(src_local.shape)} does not "
                          f"match {tuple(dst_local.shape)}; load sharded checkpoints through torch's "
                          f"set_optimizer_state_dict or DCP, which reshard")
+    if not src_local.is_floating_point():
+        raise TypeError(f"main param of {name!r}: saved dtype {src_local.dtype} is not a float dtype")
+
+
+def copy_into_main(dst: torch.Tensor, src: Any, name: str) -> None:
+    """Copy a saved main param into ``dst`` local shard to local shard (no collective)."""
+    check_main_param(dst, src, name)
+    dst_local, src_local = local_tensor(dst), local_tensor(src)
+    if dst_local is src_local:
+        return
     with torch.no_grad():
         dst_local.copy_(src_local)
 

@@ -34,11 +34,13 @@ from torch import nn
 
 from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_param_tensors import clear_grads, fp32_grad
-from ._main_params_build import leaf_optimizers, reset_param_caches, swap_in_main_params
-from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, copy_into_main, native_state_dict,
+from ._main_params_build import check_params, leaf_optimizers, reset_param_caches, swap_in_main_params, undo_swaps
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, native_state_dict,
                                  raise_partial_main_params, split_by_leaf, upgrade_legacy)
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
 from .tensors import is_foreign_dtensor, local_tensor, local_tensors
+
+_ABSENT = object()
 
 __all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers",
            "MAIN_PARAM", "MP_KEY", "MAIN_PARAMS_KEY"]
@@ -76,18 +78,29 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.fp32_from_float16_groups: list[list[nn.Parameter]] = []
         self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
         self._fqns: list[tuple[nn.Parameter, str]] = []   # (model param, FQN), in group order
-        seen: set[int] = set()
-        for leaf in self.leaf_optimizers:
-            for g, group in enumerate(leaf.param_groups):
-                float16, mains, fp32, fqns = swap_in_main_params(leaf, g, group, fqn_by_id, seen)
-                self.float16_groups.append(float16)
-                self.fp32_from_float16_groups.append(mains)
-                self.fp32_from_fp32_groups.append(fp32)
-                self._fqns.extend(fqns)
-        self._index_params()
-        reset_param_caches(optimizer, self.leaf_optimizers,
-                           {main: self.model_param(main) for main in self._main_params()},
-                           {id(m): self.fqn(m) for m, _ in self._low_precision_pairs()})
+        check_params(self.leaf_optimizers, fqn_by_id)      # every check before the first write
+        undo: list = []
+        had_main = {id(p): (p, p.__dict__.get("main_param", _ABSENT)) for p in model.parameters()}
+        try:
+            for leaf in self.leaf_optimizers:
+                for g, group in enumerate(leaf.param_groups):
+                    float16, mains, fp32, fqns = swap_in_main_params(leaf, g, group, fqn_by_id, undo)
+                    self.float16_groups.append(float16)
+                    self.fp32_from_float16_groups.append(mains)
+                    self.fp32_from_fp32_groups.append(fp32)
+                    self._fqns.extend(fqns)
+            self._index_params()
+            reset_param_caches(optimizer, self.leaf_optimizers,
+                               {main: self.model_param(main) for main in self._main_params()},
+                               {id(m): self.fqn(m) for m, _ in self._low_precision_pairs()})
+        except BaseException:
+            undo_swaps(undo)   # roll back: the optimizer and model as they were handed in
+            for p, old in had_main.values():
+                if old is _ABSENT:
+                    p.__dict__.pop("main_param", None)
+                else:
+                    p.main_param = old
+            raise
 
     def _index_params(self) -> None:
         """The id-keyed lookups and the state view, (re)built from the lists (after a copy, too)."""
@@ -303,18 +316,27 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         missing = [self.fqn(model) for model, main in saved.items() if main is None]
         if missing and len(missing) < len(saved):
             raise_partial_main_params(missing)
-        for leaf, native in zip(self.leaf_optimizers, natives):
-            leaf.load_state_dict(native)
-        rebuild, not_loaded = [], []
-        for model, main in self._low_precision_pairs():
+        rebuild, not_loaded, load = [], [], []
+        for model, main in self._low_precision_pairs():   # every check before the first write
             value = saved.get(model)
             if value is None or self._is_stale(main, value, model):
                 rebuild.append((model, main))
                 if model in saved:
                     not_loaded.append(self.fqn(model))
             else:
-                copy_into_main(main, value, self.fqn(model))
-                self._derived_from_model.discard(id(main))   # loaded
+                check_main_param(main, value, self.fqn(model))
+                load.append((model, main, value))
+        before = [(leaf.state, leaf.param_groups) for leaf in self.leaf_optimizers]
+        try:
+            for leaf, native in zip(self.leaf_optimizers, natives):
+                leaf.load_state_dict(native)   # torch builds new state/groups, so the old ones restore
+        except BaseException:
+            for leaf, (state, groups) in zip(self.leaf_optimizers, before):
+                leaf.state, leaf.param_groups = state, groups
+            raise
+        for model, main, value in load:
+            copy_into_main(main, value, self.fqn(model))
+            self._derived_from_model.discard(id(main))   # loaded
         self._copy_pairs(to_model=False, pairs=rebuild)
         self._derived_from_model.update(id(main) for _, main in rebuild)
         if not_loaded:
