@@ -13,10 +13,11 @@ def builtins() -> dict:
     import npu_fsdp_patches  # noqa: F401  (activation derives the table)
     from npu_fsdp_patches import loader
 
-    stored = os.path.join(os.path.dirname(npu_fsdp_patches.__file__), "__pycache__")
+    from npu_fsdp_patches import matrix_cache
+
+    locations = matrix_cache._locations("builtin_patches")  # pylint: disable=W0212  (where it is stored)
     return {"table": loader.builtin_table(), "table_from": loader._builtin_path(),  # pylint: disable=W0212
-            "stored": any(n.startswith("builtin_patches.") for n in os.listdir(stored))
-            if os.path.isdir(stored) else False}
+            "stored": any(os.path.isfile(location) for location in locations)}
 
 
 def _record(name: str) -> dict:
