@@ -3,12 +3,15 @@ OUTPUT.md (to paste into an issue). Schema "npu-fsdp-patches/report": docs/cli.m
 
 It bundles doctor's JSON (with ``--import``), the ``self-test --json`` result (run as a child with a
 time limit, or the reason it was skipped) and report_env's facts about the machine. Exit code 0 when
-both files are written, whatever they report; 2 when they cannot be written.
+both files are written, whatever they report; 2 when they cannot be written or ``-o`` is empty.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +28,8 @@ EXIT_WRITTEN, EXIT_CANNOT_WRITE = 0, 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="PATH",
-                        help=f"write PATH.json and PATH.md (default: {DEFAULT_OUTPUT} in this folder)")
+                        help=f"write PATH.json and PATH.md; a folder (existing, or PATH ending in /) gets "
+                             f"{DEFAULT_OUTPUT}.json and .md inside (default: {DEFAULT_OUTPUT} here)")
     parser.add_argument("--no-self-test", action="store_true", help="do not run the self-test")
     parser.add_argument("--self-test-timeout", type=float, default=DEFAULT_SELF_TEST_TIMEOUT_S, metavar="S",
                         help=f"seconds the self-test may take (default {DEFAULT_SELF_TEST_TIMEOUT_S:g})")
@@ -97,17 +101,31 @@ def markdown(report: dict, json_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_folder(output: str) -> bool:
+    """``-o`` names a folder: one that exists, or a path ending in a separator, ``.`` or ``..``."""
+    return os.path.basename(output) in ("", ".", "..") or os.path.isdir(output)
+
+
 def output_paths(output: str) -> tuple:
+    """(PATH.json, PATH.md); inside PATH, named DEFAULT_OUTPUT, when PATH is a folder."""
     base = Path(output)
-    if base.suffix in (".json", ".md"):
+    if is_folder(output):
+        base = base / DEFAULT_OUTPUT
+    elif base.suffix in (".json", ".md"):
         base = base.with_suffix("")
     return base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
 
 
 def _write(path: Path, text: str) -> bool:
+    """Write a regular file (a FIFO or device there is refused, never waited on); False after saying why."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        with open(fd, "w", encoding="utf-8") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fh.truncate(0)
+            fh.write(text)
     except OSError as exc:
         print(f"npu-fsdp-patches report: cannot write {path}: {exc}", file=sys.stderr)
         return False
@@ -115,6 +133,9 @@ def _write(path: Path, text: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.output:   # ``-o "$UNSET"``: a mistake, not a name
+        print("npu-fsdp-patches report: -o needs a path, got an empty string", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
     json_path, md_path = output_paths(args.output)
     if not _write(json_path, "") or not _write(md_path, ""):   # find out now, not after the self-test
         return EXIT_CANNOT_WRITE
