@@ -121,7 +121,7 @@ def _write(path: Path, text: str) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
-        with open(fd, "w", encoding="utf-8") as fh:
+        with open(fd, "w", encoding="utf-8", errors="backslashreplace") as fh:   # a path's undecodable byte
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
             fh.truncate(0)
