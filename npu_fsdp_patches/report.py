@@ -3,13 +3,14 @@ OUTPUT.md (to paste into an issue). Schema "npu-fsdp-patches/report": docs/cli.m
 
 It bundles doctor's JSON (with ``--import``), the ``self-test --json`` result (run as a child with a
 time limit, or the reason it was skipped) and report_env's facts about the machine. Exit code 0 when
-both files are written, whatever they report; 2 when they cannot be written or ``-o`` is empty.
+both files are written, whatever they report; 2 when they cannot be written or an option is unusable.
 """
 from __future__ import annotations
 
 import argparse
 import errno
 import json
+import math
 import os
 import stat
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from . import report_env
 from .doctor import collect, interpreter_command, user_environment
 from .render import doctor_text
+from .selftest.options import MAX_TIMEOUT_S
 
 SCHEMA, SCHEMA_VERSION = "npu-fsdp-patches/report", 1
 DEFAULT_OUTPUT = "npu-fsdp-patches-report"
@@ -132,9 +134,21 @@ def _write(path: Path, text: str) -> bool:
     return True
 
 
-def main(args: argparse.Namespace) -> int:
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, before anything runs or is written (None: nothing)."""
     if not args.output:   # ``-o "$UNSET"``: a mistake, not a name
-        print("npu-fsdp-patches report: -o needs a path, got an empty string", file=sys.stderr)
+        return "-o needs a path, got an empty string"
+    timeout = args.self_test_timeout
+    if not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        return (f"--self-test-timeout {timeout:g}: need a finite number of seconds, more than 0 and at "
+                f"most {MAX_TIMEOUT_S:g}")
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    error = usage_error(args)
+    if error:
+        print(f"npu-fsdp-patches report: {error}", file=sys.stderr)
         return EXIT_CANNOT_WRITE
     json_path, md_path = output_paths(args.output)
     if not _write(json_path, "") or not _write(md_path, ""):   # find out now, not after the self-test

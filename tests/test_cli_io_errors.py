@@ -136,6 +136,14 @@ def test_report_with_an_empty_output_is_a_usage_error(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-5"])
+def test_report_with_an_unusable_self_test_timeout_is_a_usage_error(tmp_path, seconds):
+    """Refused before anything runs; nan and inf raised in subprocess.run, -5 ran doctor for nothing."""
+    line = _one_line(_run([*CLI, "report", "-o", "r", f"--self-test-timeout={seconds}"], tmp_path))
+    assert line.startswith(f"npu-fsdp-patches report: --self-test-timeout {seconds}: need a finite"), line
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("output", ["file/bug", "file/sub/", "/proc/npu-fsdp-patches-nowhere/bug", "fifo"])
 def test_report_to_an_unusable_path_is_one_line_and_exit_2(tmp_path, output):
     """A parent that is a file or cannot be created, and a FIFO at the path (never waited on)."""
