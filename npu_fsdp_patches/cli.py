@@ -1,23 +1,19 @@
 """``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test, report.
 
-Exit codes and JSON schemas: docs/cli.md. Output to a pipe that closes early (``| head``) ends quietly
-with exit code 141, as a shell reports a command stopped by SIGPIPE.
+Exit codes and JSON schemas: docs/cli.md. No command ends in a traceback (output_guard).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from . import __version__, loader, report, selftest
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
+from .output_guard import guarded
 from .render import doctor_text, explain_text, gate_data, list_text
 from .runtime import RUNTIME
 from .settings import ENV_VARS
-
-#: the exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports it)
-EXIT_BROKEN_PIPE = 141
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,17 +105,8 @@ def _run(argv: list | None) -> int:
 
 
 def main(argv: list | None = None) -> int:
-    """Run one command; a reader that closes the pipe early (``| head``) ends it without a traceback."""
-    try:
-        code = _run(argv)
-        sys.stdout.flush()   # inside the try: a closed pipe fails here, not at interpreter exit
-        return code
-    except BrokenPipeError:
-        # the Python docs' recipe (signal module, "Note on SIGPIPE"): point stdout at devnull so the
-        # interpreter's final flush cannot raise again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+    """Run one command; an output it cannot write ends it with one line, never a traceback."""
+    return guarded(lambda: _run(argv))
 
 
 if __name__ == "__main__":

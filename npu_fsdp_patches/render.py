@@ -1,6 +1,8 @@
-"""Human text for doctor, explain and list; every line fits in 100 columns."""
+"""Human text for doctor, explain and list; every line fits in 100 columns. Doctor wraps a long value
+onto continuation lines and never cuts one (a path stays whole where a line can hold it)."""
 from __future__ import annotations
 
+import re
 import textwrap
 from typing import Iterable
 
@@ -14,9 +16,25 @@ def fit(text: str, width: int = WIDTH) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _path(text: str | None, width: int) -> str:
-    text = text or "-"
-    return text if len(text) <= width else "…" + text[-(width - 1):]
+#: where a value that does not fit on its row continues (as in :func:`_row` when the column is too narrow)
+VALUE_INDENT = " " * 6
+
+
+def _value(head: str, value: str | None) -> list:
+    """``head`` then a value that must stay whole to be copied (a path): on the row when it fits, else
+    whole on the next line; only a value longer than that line is split, after a ``/``. Never cut."""
+    value = value or "-"
+    if len(head) + len(value) <= WIDTH:
+        return [head + value]
+    width = WIDTH - len(VALUE_INDENT)
+    # pieces end at a "/"; one name longer than a line is split too, still with nothing dropped
+    pieces = [p[i:i + width] for p in re.findall(r"[^/]*/|[^/]+", value) for i in range(0, len(p), width)]
+    lines = [""]
+    for piece in pieces:
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    return [head.rstrip()] + [VALUE_INDENT + line for line in lines]
 
 
 def _why(record: dict) -> str:
@@ -67,7 +85,7 @@ def _frameworks(frameworks: dict) -> list:
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
         head = f"  {name:<19} {(fw['version'] or 'unknown version') + extra:<24} {fw['source']:<9} "
-        lines.append(head + _path(fw["location"], WIDTH - len(head)))
+        lines += _value(head, fw["location"])
         if fw.get("source_id"):   # versions such as MindSpeed's do not tell its branches apart
             lines += _row(f"  {'':<19} ", f"source tree: {fw['source_id']}")
     return lines
@@ -78,8 +96,10 @@ def _patches(report: dict) -> list:
     if not patches:
         return []
     col = max(_name_width(patches), len("patch"))
-    lines = ["", f"Patches (matrix: {_path(report['plugin']['matrix'], WIDTH - 19)})",
-             f"  {'patch':<{col}} {'decision':<9} {'state':<10} reason"]
+    matrix = report["plugin"]["matrix"] or "-"
+    title = f"Patches (matrix: {matrix})"
+    lines = ["", title] if len(title) <= WIDTH else ["", *_value("Patches (matrix below) ", matrix)]
+    lines.append(f"  {'patch':<{col}} {'decision':<9} {'state':<10} reason")
     for r in patches:
         lines += _row(f"  {r['name']:<{col}} {r['decision']:<9} {r['state']:<10} ", _why(r))
     return lines + _code_lines(patches)
@@ -100,9 +120,9 @@ def _environment(report: dict) -> list:
     torch_text = env["torch"] or "not installed: no patch can apply in this Python"
     if env["torch"] and env["device_error"]:
         torch_text += f" (import fails: {_see(report, 'Warnings', env['device_error'])})"
-    return (["", "Environment", f"  python      {env['python']} ({env['platform']})"]
+    return (["", "Environment"] + _row("  python      ", f"{env['python']} ({env['platform']})")
             + _row("  torch       ", torch_text) + _row("  torch_npu   ", npu_text)
-            + [f"  device      {env['device'] or '-'}"])
+            + _row("  device      ", env["device"] or "-"))
 
 
 def doctor_text(report: dict) -> str:
@@ -112,7 +132,8 @@ def doctor_text(report: dict) -> str:
         lines += ["", "Configuration"] + wrap(f"  INACTIVE: {plugin['config_error']}", indent="    ")
     lines += _frameworks(report["frameworks"]) + _patches(report)
     if report.get("self_test") is not None:
-        lines += ["", "Self-test"] + [fit("  " + line) for line in self_test_lines(report["self_test"])]
+        lines += ["", "Self-test"] + [part for line in self_test_lines(report["self_test"])
+                                      for part in wrap("  " + line, indent="    ")]
     for title, items in (("Errors", report.get("errors") or []), ("Warnings", report["warnings"])):
         if items:
             lines += ["", title] + [line for item in dict.fromkeys(items)
@@ -121,7 +142,7 @@ def doctor_text(report: dict) -> str:
     for r in report["patches"]:
         counts[r["state"]] = counts.get(r["state"], 0) + 1
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no patches"
-    lines += ["", fit(f"Summary: {summary}; exit code {report['exit_code']}")]
+    lines += [""] + wrap(f"Summary: {summary}; exit code {report['exit_code']}")
     return "\n".join(lines)
 
 

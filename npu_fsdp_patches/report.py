@@ -3,12 +3,16 @@ OUTPUT.md (to paste into an issue). Schema "npu-fsdp-patches/report": docs/cli.m
 
 It bundles doctor's JSON (with ``--import``), the ``self-test --json`` result (run as a child with a
 time limit, or the reason it was skipped) and report_env's facts about the machine. Exit code 0 when
-both files are written, whatever they report; 2 when they cannot be written.
+both files are written, whatever they report; 2 when they cannot be written or an option is unusable.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +20,7 @@ from pathlib import Path
 from . import report_env
 from .doctor import collect, interpreter_command, user_environment
 from .render import doctor_text
+from .selftest.options import MAX_TIMEOUT_S
 
 SCHEMA, SCHEMA_VERSION = "npu-fsdp-patches/report", 1
 DEFAULT_OUTPUT = "npu-fsdp-patches-report"
@@ -25,7 +30,8 @@ EXIT_WRITTEN, EXIT_CANNOT_WRITE = 0, 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="PATH",
-                        help=f"write PATH.json and PATH.md (default: {DEFAULT_OUTPUT} in this folder)")
+                        help=f"write PATH.json and PATH.md; a folder (existing, or PATH ending in /) gets "
+                             f"{DEFAULT_OUTPUT}.json and .md inside (default: {DEFAULT_OUTPUT} here)")
     parser.add_argument("--no-self-test", action="store_true", help="do not run the self-test")
     parser.add_argument("--self-test-timeout", type=float, default=DEFAULT_SELF_TEST_TIMEOUT_S, metavar="S",
                         help=f"seconds the self-test may take (default {DEFAULT_SELF_TEST_TIMEOUT_S:g})")
@@ -97,24 +103,53 @@ def markdown(report: dict, json_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def is_folder(output: str) -> bool:
+    """``-o`` names a folder: one that exists, or a path ending in a separator, ``.`` or ``..``."""
+    return os.path.basename(output) in ("", ".", "..") or os.path.isdir(output)
+
+
 def output_paths(output: str) -> tuple:
+    """(PATH.json, PATH.md); inside PATH, named DEFAULT_OUTPUT, when PATH is a folder."""
     base = Path(output)
-    if base.suffix in (".json", ".md"):
+    if is_folder(output):
+        base = base / DEFAULT_OUTPUT
+    elif base.suffix in (".json", ".md"):
         base = base.with_suffix("")
     return base.with_name(base.name + ".json"), base.with_name(base.name + ".md")
 
 
 def _write(path: Path, text: str) -> bool:
+    """Write a regular file (a FIFO or device there is refused, never waited on); False after saying why."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        with open(fd, "w", encoding="utf-8", errors="backslashreplace") as fh:   # a path's undecodable byte
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            fh.truncate(0)
+            fh.write(text)
     except OSError as exc:
         print(f"npu-fsdp-patches report: cannot write {path}: {exc}", file=sys.stderr)
         return False
     return True
 
 
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, before anything runs or is written (None: nothing)."""
+    if not args.output:   # ``-o "$UNSET"``: a mistake, not a name
+        return "-o needs a path, got an empty string"
+    timeout = args.self_test_timeout
+    if not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        return (f"--self-test-timeout {timeout:g}: need a finite number of seconds, more than 0 and at "
+                f"most {MAX_TIMEOUT_S:g}")
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
+    error = usage_error(args)
+    if error:
+        print(f"npu-fsdp-patches report: {error}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
     json_path, md_path = output_paths(args.output)
     if not _write(json_path, "") or not _write(md_path, ""):   # find out now, not after the self-test
         return EXIT_CANNOT_WRITE

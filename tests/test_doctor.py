@@ -68,9 +68,11 @@ def test_doctor_text_fits_100_columns_with_one_line_per_patch(tmp_path):
     assert proc.returncode == 0
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
-    start = lines.index(next(line for line in lines if line.startswith("Patches (matrix:")))
-    header, *patch_lines = lines[start + 1:lines.index("", start)]
-    assert header.split() == ["patch", "decision", "state", "reason"]   # column headers
+    start = lines.index(next(line for line in lines if line.startswith("Patches (matrix")))
+    header = next(i for i in range(start, len(lines)) if lines[i].split() == ["patch", "decision", "state", "reason"])
+    matrix = "".join(line.strip() for line in lines[start:header])   # on the title, else whole below it
+    assert str(tmp_path) in matrix and matrix.endswith("demo_matrix.yaml") and "…" not in matrix, matrix
+    patch_lines = lines[header + 1:lines.index("", header)]
     assert [line.split()[0] for line in patch_lines] == ["demo_shout", "demo_child", "demo_gated_off", "demo_absent"]
     assert "  demo_gated_off disabled  disabled   demo-framework 1.2.0 does not match <1.0" in lines
     assert lines[lines.index("Frameworks") + 1].split() == ["name", "version", "source", "location"]
