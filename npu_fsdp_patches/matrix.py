@@ -1,7 +1,9 @@
 """Load and validate compat_matrix.yaml into immutable specs; errors carry file, key path and line."""
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
@@ -340,14 +342,28 @@ def load_matrix(path: str | Path | None = None) -> Matrix:
         return matrix_cache.load(shipped_text(), str(SHIPPED_MATRIX), parse_matrix)
     file = Path(path)
     try:
-        if file.stat().st_size > MAX_MATRIX_BYTES:
-            raise MatrixError(f"matrix is larger than {MAX_MATRIX_BYTES} bytes", path=str(file))
-        text = file.read_text(encoding="utf-8")
+        text = _read_regular_file(file).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MatrixError(f"cannot read matrix: not UTF-8 ({exc.reason})", path=str(file)) from None
     except OSError as exc:
         raise MatrixError(f"cannot read matrix: {exc.strerror or exc}", path=str(file)) from None
     return parse_matrix(text, str(file))
+
+
+def _read_regular_file(file: Path) -> bytes:
+    """The bytes of a regular file, opened without blocking: a FIFO or a device named by
+    NPU_FSDP_PATCHES_MATRIX (``/dev/full``, ``/dev/zero``) would hang every ``import torch``."""
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise MatrixError("cannot read matrix: not a regular file", path=str(file))
+        if st.st_size > MAX_MATRIX_BYTES:
+            raise MatrixError(f"matrix is larger than {MAX_MATRIX_BYTES} bytes", path=str(file))
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(MAX_MATRIX_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 def shipped_text() -> str:

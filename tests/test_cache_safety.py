@@ -120,3 +120,15 @@ def test_a_link_planted_at_any_temporary_name_is_never_followed(home, tmp_path, 
     matrix_cache._write([location], ("k",), {"a": 1})
     assert matrix_cache._read(location, ("k",)) == {"a": 1} and victim.read_text() == "precious"
     assert stat.S_IMODE(os.lstat(location).st_mode) == 0o600
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
+def test_a_matrix_setting_naming_no_regular_file_never_hangs_the_import(tmp_path, kind):
+    """NPU_FSDP_PATCHES_MATRIX at a FIFO or ``/dev/zero`` blocked ``import npu_fsdp_patches`` forever."""
+    target = {"fifo": tmp_path / "matrix.fifo", "device": "/dev/zero", "folder": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(target)
+    proc = run_python("import npu_fsdp_patches; print(npu_fsdp_patches.status())",
+                      env={"NPU_FSDP_PATCHES_MATRIX": str(target)}, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "not a regular file" in proc.stderr or "Is a directory" in proc.stderr, proc.stderr
