@@ -156,6 +156,7 @@ run("cuda_absent", "--device", "cuda", "--nproc-per-node", "1")
 run("backend", "--device", "cpu", "--backend", "nccl")
 run("only", "--only", "fused_adam,nope")
 run("zero", "--device", "cpu", "--nproc-per-node", "0")
+run("cpu_many", "--device", "cpu", "--nproc-per-node", "99999")
 run("workdir", "--device", "cpu", "--workdir", "/nonexistent/self-test")
 for value in ("inf", "nan", "-5", "0", "1e9"):
     run(f"timeout {value}", "--device", "cpu", "--timeout", value)
@@ -185,6 +186,7 @@ def test_bad_options_exit_2_with_one_clear_line():
         "backend": "--backend nccl cannot run FSDP2 collectives on cpu tensors; use --backend gloo",
         "only": "--only 'fused_adam,nope': unknown check(s) nope; known: adamw_step,",
         "zero": "--nproc-per-node 0: need at least 1 rank",
+        "cpu_many": f"--nproc-per-node 99999: at most {4 * (os.cpu_count() or 1)} cpu ranks on this node",
         "workdir": "--workdir /nonexistent/self-test: not an existing folder",
         "too_many": "--nproc-per-node 2: only 1 cuda device(s) visible on this node",
         "cuda_gloo": "--backend gloo cannot run FSDP2 collectives on cuda tensors; use --backend nccl",

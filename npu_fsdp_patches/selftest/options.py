@@ -112,6 +112,12 @@ def pod_error() -> str:
             "--nproc-per-node N to test this node's devices alone")
 
 
+def max_cpu_ranks() -> int:
+    """The most cpu ranks one self-test launches: ``--nproc-per-node 99999`` would fork until the
+    machine runs out of memory; 4 per core still oversubscribes enough to test a large world size."""
+    return 4 * (os.cpu_count() or 1)
+
+
 def check_timeout(seconds: float) -> None:
     """Reject a --timeout that is not a finite number of seconds in (0, MAX_TIMEOUT_S]."""
     if not math.isfinite(seconds) or not 0 < seconds <= MAX_TIMEOUT_S:
@@ -214,6 +220,9 @@ def resolve(args: argparse.Namespace, records: dict) -> Plan:
     nproc = args.nproc_per_node if args.nproc_per_node is not None else (count or CPU_RANKS)
     if nproc < 1:
         raise OptionError(f"--nproc-per-node {nproc}: need at least 1 rank")
+    if device == "cpu" and nproc > max_cpu_ranks() and not job:
+        raise OptionError(f"--nproc-per-node {nproc}: at most {max_cpu_ranks()} cpu ranks on this node "
+                          f"(4 per core of its {os.cpu_count() or 1}); each rank is a process")
     if device != "cpu" and nproc > count and not job:
         raise OptionError(f"--nproc-per-node {nproc}: only {count} {device} device(s) visible on this node")
     if args.workdir and not os.path.isdir(args.workdir):
