@@ -17,6 +17,7 @@ from .errors import ConfigError, PatchError
 from .late_detection import LateDetection
 from .lifecycle import Lifecycle, check_known
 from .plugin_log import log
+from .process_state import kept
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .summary import ActivationSummary
 
@@ -163,4 +164,5 @@ class Runtime:
         return self._life.code_problems(name)
 
 
-RUNTIME = Runtime()
+#: the one runtime of this process: a reload of this module gets the first one back (process_state.py)
+RUNTIME: Runtime = kept("runtime", Runtime)
