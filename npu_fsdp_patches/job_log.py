@@ -87,7 +87,10 @@ class JobLog:
         self._export()
 
     def config(self, level: int, message: str) -> None:
-        """Log a configuration message unless an ancestor or local rank 0 says it."""
+        """Log a configuration message unless an ancestor or local rank 0 says it. A message this
+        process's logger drops (an INFO line at the default level) is not recorded as said."""
+        if not log.is_enabled_for(level):
+            return
         digest = _digest(message)
         if digest in self.said or not self.local_rank_zero:
             return

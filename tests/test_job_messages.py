@@ -69,7 +69,7 @@ def _parent(tmp_path, child_env: dict, **env) -> list:
     with ``child_env`` added; split at each child's start."""
     site = install_fixture("core_demo", tmp_path)
     proc = run_python(PARENT.format(child_env=repr(child_env)), paths=[site],
-                      env=demo_env(site, NPU_FSDP_PATCHES_LOG="info", **env))
+                      env=demo_env(site, **{"NPU_FSDP_PATCHES_LOG": "info", **env}))
     return proc.stderr.split("CHILD\n")
 
 
@@ -105,6 +105,14 @@ def test_ranks_other_than_local_rank_0_do_not_repeat_configuration(tmp_path):
             LOCAL_RANK=rank)).stderr
     assert UNKNOWN in said["0"] and SUMMARY in said["0"] and APPLIED in said["0"]
     assert UNKNOWN not in said["1"] and SUMMARY not in said["1"] and APPLIED not in said["1"]
+
+
+def test_a_line_the_parent_did_not_log_is_logged_by_a_child_that_logs_it(tmp_path):
+    """The kill switch's INFO line is dropped at the default level: a child at NPU_FSDP_PATCHES_LOG=info says it."""
+    parent, same, changed = _parent(tmp_path, {"NPU_FSDP_PATCHES_LOG": "info"}, NPU_FSDP_PATCHES="0",
+                                    NPU_FSDP_PATCHES_LOG="warning")
+    assert "kill switch set" not in parent + same
+    assert "NPU_FSDP_PATCHES=0: kill switch set, nothing registered or applied" in changed
 
 
 @pytest.mark.parametrize("argv, orig_argv, expected", [
