@@ -4,11 +4,15 @@ Each case runs in a fresh interpreter against the core_demo fixture: activate wi
 reload the plugin one way (``importlib.reload`` of the package, of its runtime and lifecycle modules, or
 every ``npu_fsdp_patches*`` entry dropped from ``sys.modules`` and imported again), import the target
 again, then check that the target is wrapped exactly once and that one revert gives back the very
-original objects. The runtime is kept per process (npu_fsdp_patches/process_state.py).
+original objects. The runtime is kept per process (npu_fsdp_patches/process_state.py). One case does
+the same with torch's adam functions, patched at ``import torch``.
 """
+import json
+
 import pytest
 
 from tests.core_demo import run_demo
+from tests.support import install_fixture, run_python
 
 #: the modules of the runtime, reloaded callers first (a module reloaded before those it imports from is
 #: the hard order: the modules that imported from it keep the old objects)
@@ -77,3 +81,43 @@ def test_reload_applies_once_and_one_revert_restores(tmp_path, how, when):
     assert result["reverted"] == ["hello x", 2]        # one revert: no layer left
     assert result["identical"] == [True, True]
     assert result["first"] in (None, [True, True])     # the very objects seen before activation
+
+
+TORCH_CASE = """
+import importlib, json, sys
+import torch   # torch's autoload activates the plugin, which patches torch.optim's adam functions
+from npu_fsdp_patches.patch import unpatched
+def layers(f):
+    count = 0
+    while hasattr(f, "__npu_fsdp_patch__"):
+        count, f = count + 1, f.__wrapped__
+    return count
+def live(symbols):
+    out = []
+    for symbol in symbols:
+        module, _, name = symbol.partition(":")
+        out.append(getattr(sys.modules[module], name))
+    return out
+import npu_fsdp_patches
+record = {r["name"]: r for r in npu_fsdp_patches.status()}["hp_skip_dispatch_adamw"]
+symbols = record["applied_targets"]
+originals = [unpatched(f) for f in live(symbols)]
+for name in [m for m in sys.modules if m.startswith("npu_fsdp_patches")]:
+    del sys.modules[name]
+import npu_fsdp_patches
+importlib.reload(npu_fsdp_patches)
+wrapped = [layers(f) for f in live(symbols)]
+npu_fsdp_patches.revert("hp_skip_dispatch_adamw")
+print(json.dumps({"state": record["state"], "symbols": len(symbols), "layers": wrapped,
+                  "restored": [f is o for f, o in zip(live(symbols), originals)]}))
+"""
+
+
+def test_reload_after_torch_autoload_wraps_torch_adam_once(tmp_path):
+    """The same with torch's own adam functions, patched by hp_skip_dispatch_adamw at ``import torch``
+    (the hyper-parallel stand-in enables it)."""
+    site = install_fixture("hyper_parallel_new", tmp_path)
+    result = json.loads(run_python(TORCH_CASE, paths=[site], timeout=240).stdout.splitlines()[-1])
+    assert result["state"] == "applied" and result["symbols"] >= 4, result
+    assert result["layers"] == [1] * result["symbols"], result
+    assert result["restored"] == [True] * result["symbols"], result
