@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from . import loader
 from .decide import decide
@@ -18,6 +18,9 @@ from .errors import MatrixError, PatchError
 from .matrix import Matrix, load_matrix
 from .plugin_log import log
 from .settings import PREFIX, Settings
+
+if TYPE_CHECKING:
+    from .job_log import JobLog
 
 
 class _ReadOnly:
@@ -94,12 +97,16 @@ def check_sources(sources: Sources) -> None:
                                        f"registered in entry-point group {loader.GROUP}")
 
 
-def make_plan(settings: Settings, sources: Sources) -> Plan:
-    """Detect the frameworks and decide every patch of ``sources``' matrix (checked by check_sources)."""
+def make_plan(settings: Settings, sources: Sources, job: JobLog | None = None) -> Plan:
+    """Detect the frameworks and decide every patch of ``sources``' matrix (checked by check_sources).
+    The provider conflicts are warned through ``job`` (once per job), or here when there is none."""
     matrix, providers, conflicts = sources.matrix, sources.providers, sources.conflicts
     frameworks = detect_all(matrix.frameworks.values())
     for message in conflicts.values():
-        log.warning("%s", message)
+        if job is not None:
+            job.config(30, message)
+        else:
+            log.warning("%s", message)
     entries = []
     for name, spec in matrix.patches.items():
         decision, provider = decide(spec, frameworks, settings), providers.get(name)
@@ -124,11 +131,12 @@ def configure_logging(level: str | None) -> None:
         logger.addHandler(handler)
 
 
-def announce(environ: Mapping[str, str], settings: Settings) -> None:
-    """The settings' side effects at activation: log level, their warnings, the exported matrix path."""
+def announce(environ: Mapping[str, str], settings: Settings, job: JobLog) -> None:
+    """The settings' side effects at activation: log level, their warnings (once per job), the exported
+    matrix path."""
     configure_logging(settings.log_level)
     for warning in settings.warnings:
-        log.warning("%s", warning)
+        job.config(30, warning)
     _export_matrix_path(environ, settings)
 
 
@@ -139,8 +147,8 @@ def _export_matrix_path(environ: Mapping[str, str], settings: Settings) -> None:
         os.environ[key] = settings.matrix_path
 
 
-def warn_unknown_names(settings: Settings, matrix: Matrix) -> None:
-    """One warning for DISABLE/ENABLE names that no patch of the matrix has."""
+def warn_unknown_names(settings: Settings, matrix: Matrix, job: JobLog) -> None:
+    """One warning per job for DISABLE/ENABLE names that no patch of the matrix has."""
     message = settings.unknown_names_message(set(matrix.patches))
     if message:
-        log.warning("%s", message)
+        job.config(30, message)

@@ -1,6 +1,8 @@
 """Exceptions of the plugin. All derive from PatchError so callers can catch one type."""
 from __future__ import annotations
 
+from .process_state import kept
+
 
 class PatchError(RuntimeError):
     """A patch could not be applied or reverted (raised only in strict mode or for explicit requests)."""
@@ -24,3 +26,8 @@ class MatrixError(PatchError):
         self.file = path
         self.key_path = key_path
         self.line = line
+
+
+# A reload must not make new classes: ``except npu_fsdp_patches.PatchError`` has to catch what the
+# process's one runtime raises, and that runtime was built by the first import (process_state.py).
+PatchError, ConfigError, MatrixError = kept("errors", lambda: (PatchError, ConfigError, MatrixError))

@@ -16,6 +16,7 @@ from typing import Callable
 
 from .errors import PatchError
 from .plugin_log import log
+from .process_state import kept
 
 
 
@@ -96,7 +97,7 @@ class _FirstLookup:
         return None
 
 
-_LOOKUPS = _FirstLookup()
+_LOOKUPS = kept("lookups", _FirstLookup)   # the one in sys.meta_path, reloads included
 
 
 def when_looked_up(module_name: str, callback: Callable[[str], bool]) -> None:

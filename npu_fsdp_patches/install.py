@@ -162,8 +162,8 @@ def _install(life: Lifecycle, record: PatchRecord, claims: list, built: list, mo
         raise AtTarget(item.target.symbol) from exc
     if done:
         provider = life.plan.provider(record.name)
-        log.info("patch %s applied at %s; code: %s", record.name, ", ".join(item.target.symbol for item in done),
-                 provider.describe() if provider else "unknown")
+        log.log(life.summary.detail_level(), "patch %s applied at %s; code: %s", record.name,
+                ", ".join(item.target.symbol for item in done), provider.describe() if provider else "unknown")
     if module_name in life.preimported and module_name not in record.imported_before_activation:
         record.imported_before_activation.append(module_name)
     if done or record.applied_targets:

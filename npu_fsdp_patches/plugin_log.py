@@ -33,6 +33,10 @@ class PluginLog:
             return
         self.logger().log(level, msg, *args, **kwargs)
 
+    def log(self, level: int, msg: str, *args, **kwargs) -> None:
+        """``Logger.log``: ``level`` as a number (10 DEBUG ... 50 CRITICAL)."""
+        self._log(level, msg, *args, **kwargs)
+
     def debug(self, msg: str, *args, **kwargs) -> None:
         self._log(10, msg, *args, **kwargs)
 

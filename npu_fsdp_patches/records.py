@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import Enum
 
 from .decide import Decision
+from .process_state import kept
 
 
 class State(str, Enum):
@@ -25,6 +26,7 @@ class State(str, Enum):
         return self.value
 
 
+State = kept("State", lambda: State)   # records compare states by identity: one enum per process, reloads included
 _P, _A, _S, _F, _D, _R = State.PENDING, State.APPLIED, State.SKIPPED, State.FAILED, State.DISABLED, State.REVERTED
 
 #: state -> the states it may move to. FAILED is reachable from every state a hook may still be working
@@ -41,6 +43,9 @@ LEGAL = {
 
 class IllegalTransition(RuntimeError):
     """A record was asked for a move that :data:`LEGAL` does not list: a bug in the plugin."""
+
+
+IllegalTransition = kept("IllegalTransition", lambda: IllegalTransition)
 
 
 class PatchRecord:

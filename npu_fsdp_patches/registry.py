@@ -10,11 +10,15 @@ import sys
 from typing import Any, NamedTuple
 
 from .matrix import Target
+from .process_state import kept
 from .stale import rebind_module_refs
 
 
 class TargetNotFound(LookupError):
     """The framework no longer has the symbol (renamed, moved or removed)."""
+
+
+TargetNotFound = kept("TargetNotFound", lambda: TargetNotFound)   # one class per process, reloads included
 
 
 class Resolved(NamedTuple):

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 from .activation import Plan, announce, check_sources, load_sources, make_plan, warn_unknown_names
 from .errors import ConfigError, PatchError
+from .job_log import JobLog
 from .late_detection import LateDetection
 from .lifecycle import Lifecycle, check_known
 from .plugin_log import log
+from .process_state import kept
 from .settings import PREFIX, Settings, parse_settings, strict_requested
 from .summary import ActivationSummary
 
@@ -36,6 +38,7 @@ class Runtime:
         self._plan: Plan | None = None
         self._life: Lifecycle | None = None
         self._late: LateDetection | None = None
+        self.job: JobLog | None = None       # which messages this process of the job says (job_log.py)
         self.summary = ActivationSummary()   # the NPU_FSDP_PATCHES_LOG=info line (summary.py)
 
     def activate(self, environ: Mapping[str, str] | None = None) -> None:
@@ -45,18 +48,20 @@ class Runtime:
                 return
             self.activated = True
             environ = os.environ if environ is None else environ
+            self.job = JobLog(environ)
+            self.summary.owned = self.job.owns_summary
             try:
                 self.settings = parse_settings(environ)
             except ConfigError as exc:
                 self._configuration_failed(exc, strict_requested(environ))
                 return
-            announce(environ, self.settings)
+            announce(environ, self.settings, self.job)
             if not self.settings.active:
-                log.info("%s=0: kill switch set, nothing registered or applied", PREFIX)
+                self.job.config(20, f"{PREFIX}=0: kill switch set, nothing registered or applied")
                 return
             if not self._prepare():
                 return
-            warn_unknown_names(self.settings, self._plan.matrix)
+            warn_unknown_names(self.settings, self._plan.matrix, self.job)
             enabled = self._life.to_arm()
         failures = self._life.arm_all(enabled)   # patch code: no lock
         self._summarize()
@@ -65,7 +70,11 @@ class Runtime:
 
     def _configuration_failed(self, exc: PatchError, strict: bool) -> None:
         self.config_error = str(exc)
-        log.error("npu_fsdp_patches inactive: %s", exc)
+        message = f"npu_fsdp_patches inactive: {exc}"
+        if self.job is not None:
+            self.job.config(40, message)
+        else:
+            log.error("%s", message)
         if strict:
             raise exc
 
@@ -80,7 +89,7 @@ class Runtime:
         except PatchError as exc:   # MatrixError included
             self._configuration_failed(exc, self.settings.strict)
             return False
-        self._plan = make_plan(self.settings, sources)
+        self._plan = make_plan(self.settings, sources, self.job)
         self._life = Lifecycle(self._plan, self._lock, self.summary)
         self._late = LateDetection(self._life)
         self._late.watch()
@@ -163,4 +172,5 @@ class Runtime:
         return self._life.code_problems(name)
 
 
-RUNTIME = Runtime()
+#: the one runtime of this process: a reload of this module gets the first one back (process_state.py)
+RUNTIME: Runtime = kept("runtime", Runtime)

@@ -17,6 +17,9 @@ ENV_VARS = {
     f"{PREFIX}_MATRIX": "path of a compat_matrix.yaml to use instead of the shipped one",
     f"{PREFIX}_LOG": "log level of the npu_fsdp_patches logger: a Python level name (debug, info, warning, error, critical)",
 }
+#: set by the plugin itself and inherited by child processes (job_log.py); not a setting
+SAID_VAR = f"{PREFIX}_SAID"
+INTERNAL_VARS = (SAID_VAR,)
 
 
 class Settings(NamedTuple):
@@ -96,7 +99,8 @@ def parse_settings(environ: Mapping[str, str]) -> Settings:
 def misspelled_variables(environ: Mapping[str, str]) -> tuple:
     """A warning for each set variable that looks like one of ours but is not (it would be ignored),
     naming the closest valid variable."""
-    suspects = [key for key in environ if key.upper().startswith("NPU_FSDP") and key not in ENV_VARS]
+    suspects = [key for key in environ if key.upper().startswith("NPU_FSDP") and key not in ENV_VARS
+                and key not in INTERNAL_VARS]
     if not suspects:
         return ()
     import difflib   # only a misspelling pays for it

@@ -2,8 +2,9 @@
 
 When: once, at the first moment no enabled patch is pending any more (at activation when nothing
 waits; else when the training script imports the last target module), or at interpreter exit for
-patches whose targets were never imported. Under torch.distributed only rank 0 logs it: the launcher
-sets ``RANK`` before the process starts, so it is read from the environment (torch is not imported).
+patches whose targets were never imported. Where: one process per job (job_log.py): not torchrun's
+agent, not a rank other than 0, not a child (a DataLoader worker) of the process that logs it. Without
+activation (``owned`` unset) only ``RANK`` decides, read from the environment (torch is not imported).
 """
 from __future__ import annotations
 
@@ -46,13 +47,22 @@ class ActivationSummary:
     """Logs :func:`summary_line` once per process; ``read_records`` returns the status records."""
 
     def __init__(self) -> None:
+        self.owned: bool | None = None   # set at activation: this process logs the job's line
         self._done = False
         self._lock = threading.Lock()
         self._exit_hook = False
 
+    def logs_here(self) -> bool:
+        """This process logs the summary (and the per-target INFO lines)."""
+        return _rank_zero() if self.owned is None else self.owned
+
+    def detail_level(self) -> int:
+        """The level of a per-target line: INFO where the summary is logged, else DEBUG."""
+        return 20 if self.logs_here() else 10
+
     def update(self, read_records: Callable[[], list], final: bool = False) -> None:
         """Log the line if every enabled patch has settled (or ``final``); a no-op after the first."""
-        if self._done or not log.is_enabled_for(20) or not _rank_zero():
+        if self._done or not log.is_enabled_for(20) or not self.logs_here():
             return
         records = read_records()
         settled = not any(r["decision"] == "enabled" and r["state"] == "pending" for r in records)
