@@ -35,7 +35,9 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
         return (not fw.installed,
                 f"{display_name(fw)} absent" if not fw.installed else f"{_describe(fw)} is installed")
     if not fw.installed:
-        return False, f"{display_name(fw)} {'not installed' if fw.source != 'meta package only' else 'meta package only'}"
+        if fw.source == "meta package only":
+            return False, f"{display_name(fw)} {fw.version} is only the meta package: not importable"
+        return False, f"{display_name(fw)} not installed"
     if cond.flavor is not None and fw.flavor is None:
         return False, f"{_describe(fw)}: flavour unknown, not {cond.flavor} ({fw.flavor_rule or 'no flavour rule'})"
     if cond.flavor is not None and fw.flavor != cond.flavor:

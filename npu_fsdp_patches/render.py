@@ -60,14 +60,18 @@ def _frameworks(frameworks: dict) -> list:
         return []
     lines = ["", "Frameworks", f"  {'name':<19} {'version':<24} {'source':<9} location"]
     for name, fw in frameworks.items():
+        broken = "installed but not importable (see Errors)" if fw.get("importable") is False else None
         if not fw["installed"]:
-            lines += _row(f"  {name:<19} ", f"{fw['distribution']} {fw['version']}: meta package only"
-                          if fw["source"] == "meta package only" else "not installed")
+            lines += _row(f"  {name:<19} ", f"{fw['distribution']} {fw['version']}: meta package only, "
+                          + (broken or "not importable") if fw["source"] == "meta package only"
+                          else "not installed")
             continue
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
         head = f"  {name:<19} {(fw['version'] or 'unknown version') + extra:<24} {fw['source']:<9} "
         lines.append(head + _path(fw["location"], WIDTH - len(head)))
+        if broken:
+            lines += _row(f"  {'':<19} ", broken)
         if fw.get("source_id"):   # versions such as MindSpeed's do not tell its branches apart
             lines += _row(f"  {'':<19} ", f"source tree: {fw['source_id']}")
     return lines

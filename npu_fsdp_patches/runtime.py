@@ -140,6 +140,12 @@ class Runtime:
         self._life.register_hooks()   # a module dropped from sys.modules is hooked again
         return records
 
+    def target_import_failed(self, name: str, error: str) -> None:
+        """Fail pending patch ``name``: importing its target module raised ``error`` (doctor --import)."""
+        with self._lock:
+            if self._life is not None:
+                self._life.target_import_failed(name, error)
+
     def snapshot(self) -> RuntimeSnapshot:
         """What doctor and the CLI report, as it is now (no liveness re-check, no hook registration)."""
         from .snapshot import RuntimeSnapshot   # not on the activation path: only readers pay for it

@@ -361,10 +361,14 @@ def test_doctor_import_shows_the_real_error_of_a_target_and_fails_a_forced_patch
         'targets: ["not_installed_module_xyz:thing"]\n    gate:\n      - nowhere: {installed: true}',
         'targets: ["demo_broken_dep:thing"]\n    gate:\n      - demo: {installed: true}'))
     report = json.loads(cli(tmp_path, "doctor", "--json", "--import", NPU_FSDP_PATCHES_MATRIX=str(matrix)).stdout)
-    found = [w for w in report["warnings"] if w.startswith("import demo_broken_dep")]
-    assert found and found[0].startswith("import demo_broken_dep: ModuleNotFoundError: No module named "
-                                         "'a_missing_dependency_xyz' (at "), report["warnings"]
-    assert found[0].endswith("demo_broken_dep.py:1)")
+    # the target module is there but raises: the patch can never apply here, so it fails with the error
+    record = next(r for r in report["patches"] if r["targets"] == ["demo_broken_dep:thing"])
+    assert record["state"] == "failed", record
+    assert record["error"].startswith("target not importable: import demo_broken_dep: ModuleNotFoundError: "
+                                      "No module named 'a_missing_dependency_xyz' (at "), record
+    assert record["error"].endswith("demo_broken_dep.py:1)")
+    assert not [w for w in report["warnings"] if "demo_broken_dep" in w], report["warnings"]
+    assert report["exit_code"] == 1
     # demo_absent forced on: its target module is not there, so it stays pending: an error, exit 1
     proc = cli(tmp_path, "doctor", "--json", "--import", NPU_FSDP_PATCHES_ENABLE="demo_absent")
     report = json.loads(proc.stdout)
