@@ -93,8 +93,14 @@ def verification(spec: PatchSpec, frameworks: Mapping[str, Detected], alternativ
     if not installed:
         return None, ()
     unverified = tuple(_describe(fw) for fw in installed
-                       if public_version(fw.version) not in spec.verified.get(fw.name, ()))
+                       if not is_verified(spec.verified.get(fw.name, ()), fw))
     return not unverified, unverified
+
+
+def is_verified(entries: tuple, fw: Detected) -> bool:
+    """Whether the suite ran this version (of this flavour: ``2.13.0 [nvidia]``; a plain entry, any)."""
+    version = public_version(fw.version)
+    return version in entries or (fw.flavor is not None and f"{version} [{fw.flavor}]" in entries)
 
 
 def public_version(version: str | None) -> str | None:

@@ -195,13 +195,23 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     if spec.stand_down_probe:
         lines.append(f"Stand-down probe: {spec.stand_down_probe} (skipped when upstream already has the fix)")
     if spec.verified:
-        lines += wrap("Verified: " + "; ".join(f"{fw} {', '.join(v)}" for fw, v in spec.verified.items()))
+        lines += wrap("Verified: " + "; ".join(_verified_text(fw, v) for fw, v in spec.verified.items()))
     for key, value in spec.upstream.items():
         value = ", ".join(value) if isinstance(value, list) else value
         lines += wrap(f"Upstream {key}: {value}")
     if spec.facts:
         lines += wrap(f"Facts: {spec.facts}")
     return "\n".join(lines)
+
+
+def _verified_text(framework: str, entries: tuple) -> str:
+    """``transformer_engine [npu] 0.1.0, [nvidia] 2.10.0, 2.11.0``: each flavour once, before its versions."""
+    groups: dict = {}
+    for entry in entries:
+        version, _, flavor = entry.partition(" [")
+        groups.setdefault(flavor.rstrip("]") or None, []).append(version)
+    return framework + "".join(f" [{flavor}]" * bool(flavor) + " " + ", ".join(versions) + ","
+                               for flavor, versions in groups.items()).rstrip(",")
 
 
 def requirement(cond: Condition) -> str:
