@@ -112,7 +112,7 @@ def public_version(version: str | None) -> str | None:
 def decide(spec: PatchSpec, frameworks: Mapping[str, Detected], settings: Settings) -> Decision:
     """The enable/disable decision for one patch; the order of the checks is the precedence."""
     if not settings.active:
-        return Decision(False, f"{PREFIX}=0 (kill switch)")
+        return Decision(False, f"{settings.kill_switch} (kill switch)")
     if spec.name in settings.enable:
         _, _, alternative = evaluate_gate(spec, frameworks)
         verified, unverified = verification(spec, frameworks, alternative)

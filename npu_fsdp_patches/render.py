@@ -240,6 +240,15 @@ def gate_data(spec: PatchSpec, frameworks: dict) -> list:
     return out
 
 
+def unknown_patch_message(name: str, known: Iterable[str]) -> str:
+    """``explain NAME`` of a name no patch has: the near names first (difflib), then every known one."""
+    import difflib   # only a misspelled name pays for it
+    known = sorted(known)
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f". Did you mean {' or '.join(near)}? Known" if near else "; known"
+    return f"unknown patch {name!r}{hint}: {', '.join(known)}"
+
+
 def _name_width(records: Iterable[dict]) -> int:
     """The patch-name column: as wide as the longest name, so the columns after it line up."""
     return max((len(r["name"]) for r in records), default=0)

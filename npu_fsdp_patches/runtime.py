@@ -52,7 +52,7 @@ class Runtime:
                 return
             announce(environ, self.settings)
             if not self.settings.active:
-                log.info("%s=0: kill switch set, nothing registered or applied", PREFIX)
+                log.info("%s: kill switch set, nothing registered or applied", self.settings.kill_switch)
                 return
             if not self._prepare():
                 return
@@ -100,7 +100,7 @@ class Runtime:
         """Apply ``names`` (every matrix-enabled patch if none) as an explicit request; their records."""
         with self._lock:
             if not self.settings.active:
-                raise PatchError(f"{PREFIX}=0 (kill switch) is set; nothing is applied")
+                raise PatchError(f"{self.settings.kill_switch} (kill switch) is set; nothing is applied")
             self.ensure_prepared()
             life = self._life
             if life is None:

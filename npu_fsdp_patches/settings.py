@@ -35,6 +35,12 @@ class Settings(NamedTuple):
     matrix_path: str | None = None
     log_level: str | None = None
     warnings: tuple = ()            # e.g. a misspelled NPU_FSDP_PATCHES_* variable, naming the closest
+    kill_value: str = "0"           # the kill switch as the user wrote it (off, false, 0 ...), for messages
+
+    @property
+    def kill_switch(self) -> str:
+        """``NPU_FSDP_PATCHES=off`` as it was set, for every message that names it."""
+        return f"{PREFIX}={self.kill_value}"
 
     def unknown_names(self, known: set) -> list:
         """Names given in DISABLE/ENABLE that no patch has (sorted)."""
@@ -92,7 +98,8 @@ def parse_settings(environ: Mapping[str, str]) -> Settings:
     matrix = environ.get(f"{PREFIX}_MATRIX", "").strip() or None
     if matrix is not None:   # a spawned worker may start in another directory (os.chdir)
         matrix = os.path.abspath(os.path.expanduser(matrix))
-    return Settings(active=_flag(environ, PREFIX, True), disable=disable, disable_all=disable_all,
+    return Settings(active=_flag(environ, PREFIX, True), kill_value=(environ.get(PREFIX) or "").strip() or "0",
+                    disable=disable, disable_all=disable_all,
                     enable=enable, strict=_flag(environ, f"{PREFIX}_STRICT", False),
                     matrix_path=matrix, log_level=log,
                     warnings=tuple(filter(None, [log_warning])) + misspelled_variables(environ))

@@ -116,3 +116,13 @@ def test_a_bad_log_level_keeps_the_plugin_active_in_a_real_process():
     error, count = proc.stdout.split()
     assert error == "None" and int(count) > 0
     assert proc.stderr.count(f"{P}_LOG='verbose' is not valid and is ignored") == 1, proc.stderr
+
+
+def test_the_kill_switch_is_named_as_it_was_set():
+    from npu_fsdp_patches.decide import decide
+    from npu_fsdp_patches.matrix import load_matrix
+    spec = load_matrix().patches["te_fused_adam_dtensor"]
+    for raw in ("off", "False", "0"):
+        settings = parse_settings({P: raw})
+        assert settings.active is False and settings.kill_switch == f"{P}={raw}"
+        assert decide(spec, {}, settings).reason == f"{P}={raw} (kill switch)"
