@@ -71,3 +71,14 @@ def test_next_to_the_extension_stand_in_doctor_import_fails_each_patch_with_te_s
         assert record["error"].startswith("target not importable: import transformer_engine.pytorch.")
     assert not any(EMPTY in w for w in report["warnings"]), "the error is the patches', not a warning"
     assert (code, report["exit_code"]) == (1, 1)
+
+
+def test_the_megatron_te_template_says_it_is_device_only_where_te_cannot_be_imported(meta_site):
+    from tests.support import REPO_ROOT
+    for paths, why in (([meta_site], EMPTY), ([], "No module named 'transformer_engine'")):   # meta package; none
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "megatron_te_fused_adam.py"),
+                               "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                              env=_env([*paths, REPO_ROOT / "examples"]))
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert "needs a TransformerEngine that imports" in proc.stderr and "device-only" in proc.stderr
+        assert why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
