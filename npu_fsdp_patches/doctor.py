@@ -193,12 +193,15 @@ def import_frameworks(snap: RuntimeSnapshot) -> dict:
     gates on and every meta package found without its part; imported in one child interpreter, so a
     framework that crashes the interpreter is reported, never fatal. torch and torch_npu have their own
     probes. A framework no enabled patch needs is not imported (its row stays metadata only)."""
-    wanted = _gated_on(snap)
-    modules = {name: fw.module for name, fw in ((n, snap.matrix.frameworks[n]) for n in snap.frameworks
-                                               if snap.matrix is not None and n in snap.matrix.frameworks)
-               if name not in ("torch", "torch_npu") and fw.module
-               and (snap.frameworks[name].source == "meta package only"
-                    or (snap.frameworks[name].installed and name in wanted))}
+    if snap.matrix is None:
+        return {}
+    wanted, modules = _gated_on(snap), {}
+    for name, found in snap.frameworks.items():
+        spec = snap.matrix.frameworks.get(name)
+        if spec is None or not spec.module or name in (_TORCH.name, _TORCH_NPU.name):
+            continue
+        if found.source == "meta package only" or (found.installed and name in wanted):
+            modules[name] = spec.module
     if not modules:
         return {}
     result, error = _child(_FRAMEWORKS_PROBE, args=(json.dumps(modules),))
