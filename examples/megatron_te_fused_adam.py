@@ -2,8 +2,14 @@
 
     torchrun --nproc_per_node=2 examples/megatron_te_fused_adam.py [--device cuda|npu|cpu] [--steps 5]
 
-Needs megatron-core and TransformerEngine (NVIDIA TE, or TE-NPU with torch_npu) in the environment
-where npu_fsdp_patches is installed. Megatron-Core's optimizer module picks TE's ``FusedAdam``
+A device-only template: it needs megatron-core and a TransformerEngine that imports, in the
+environment where npu_fsdp_patches is installed: NVIDIA TE with its torch extension on a CUDA GPU
+(``pip install transformer-engine[pytorch]``, which builds the extension against CUDA), or TE-NPU with
+torch_npu on an NPU. On a CPU-only machine TE cannot be imported (the registry's
+``transformer-engine`` alone is a meta package: "Found empty `transformer-engine` meta package
+installed"), so the example stops at once with exit code 2 and says why. The test suite runs it on CPU
+ranks only through tests/children/megatron_te_example_on_cpu.py, which puts the suite's stand-ins
+(TE's real optimizer sources with CPU kernels for its CUDA extension) in TE's place. Megatron-Core's optimizer module picks TE's ``FusedAdam``
 whenever TE imports; its factory (``get_megatron_optimizer`` for Megatron's own model chunks, here its
 param-group builder, since the model is sharded by torch FSDP2) builds it with Megatron's arguments
 and wraps it in Megatron's fp32 optimizer. The patches (``te_fused_adam_dtensor`` and, on NVIDIA TE,
@@ -15,6 +21,8 @@ on the same DTensors (rtol 1e-5, atol 1e-6; TE's kernel and torch's differ by ro
 otherwise. Prints the ``status()`` of the TE patches.
 """
 import argparse
+import os
+import sys
 
 import npu_fsdp_patches  # first: the patches apply when TE's optimizer module is imported
 
@@ -67,11 +75,28 @@ def train(model, opt, steps: int, device: torch.device) -> float:
     return losses[-1].item()
 
 
+def require_te() -> None:
+    """Stop with exit code 2 and the reason when TransformerEngine's optimizers cannot be imported:
+    without TE, Megatron-Core silently falls back to torch's Adam and the example would test nothing."""
+    try:
+        import transformer_engine.pytorch.optimizers  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - TE raises RuntimeError, ImportError, FileNotFoundError ...
+        if os.environ.get("RANK", "0") == "0":
+            print("megatron_te_fused_adam.py needs a TransformerEngine that imports: NVIDIA TE with its torch "
+                  "extension on a CUDA GPU, or TE-NPU with torch_npu on an NPU (a device-only template; "
+                  f"README 'Quickstart per stack'). Importing it failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_device_argument(parser)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    if args.device == "npu":
+        import torch_npu  # noqa: F401  (TE-NPU needs it before its own import)
+    require_te()
     device = init_distributed(args.device)
     if device.type == "npu":
         from torch_npu.contrib import transfer_to_npu  # noqa: F401  (Megatron allocates on "cuda")

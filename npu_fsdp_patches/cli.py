@@ -11,7 +11,7 @@ import sys
 from . import __version__, loader, report, selftest
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .output_guard import guarded
-from .render import doctor_text, explain_text, gate_data, list_text
+from .render import doctor_text, explain_text, gate_data, list_text, unknown_patch_message
 from .runtime import RUNTIME
 from .settings import ENV_VARS
 
@@ -98,7 +98,7 @@ def _run(argv: list | None) -> int:
     spec = snap.matrix.patches.get(args.name)
     if spec is None:
         return _emit(as_json, command, EXIT_BAD_CONFIG, None,
-                     f"unknown patch {args.name!r}; known: {', '.join(sorted(records))}", patch=None)
+                     unknown_patch_message(args.name, records), patch=None)
     text = explain_text(spec, records.get(args.name), snap.frameworks, _patch_doc(args.name))
     return _emit(as_json, command, 0, text, patch=records.get(args.name),
                  gate=gate_data(spec, snap.frameworks), explanation=text.splitlines())

@@ -35,7 +35,9 @@ def check_condition(cond: Condition, fw: Detected) -> tuple:
         return (not fw.installed,
                 f"{display_name(fw)} absent" if not fw.installed else f"{_describe(fw)} is installed")
     if not fw.installed:
-        return False, f"{display_name(fw)} {'not installed' if fw.source != 'meta package only' else 'meta package only'}"
+        if fw.source == "meta package only":
+            return False, f"{display_name(fw)} {fw.version} is only the meta package: not importable"
+        return False, f"{display_name(fw)} not installed"
     if cond.flavor is not None and fw.flavor is None:
         return False, f"{_describe(fw)}: flavour unknown, not {cond.flavor} ({fw.flavor_rule or 'no flavour rule'})"
     if cond.flavor is not None and fw.flavor != cond.flavor:
@@ -91,8 +93,14 @@ def verification(spec: PatchSpec, frameworks: Mapping[str, Detected], alternativ
     if not installed:
         return None, ()
     unverified = tuple(_describe(fw) for fw in installed
-                       if public_version(fw.version) not in spec.verified.get(fw.name, ()))
+                       if not is_verified(spec.verified.get(fw.name, ()), fw))
     return not unverified, unverified
+
+
+def is_verified(entries: tuple, fw: Detected) -> bool:
+    """Whether the suite ran this version (of this flavour: ``2.13.0 [nvidia]``; a plain entry, any)."""
+    version = public_version(fw.version)
+    return version in entries or (fw.flavor is not None and f"{version} [{fw.flavor}]" in entries)
 
 
 def public_version(version: str | None) -> str | None:
@@ -104,7 +112,7 @@ def public_version(version: str | None) -> str | None:
 def decide(spec: PatchSpec, frameworks: Mapping[str, Detected], settings: Settings) -> Decision:
     """The enable/disable decision for one patch; the order of the checks is the precedence."""
     if not settings.active:
-        return Decision(False, f"{PREFIX}=0 (kill switch)")
+        return Decision(False, f"{settings.kill_switch} (kill switch)")
     if spec.name in settings.enable:
         _, _, alternative = evaluate_gate(spec, frameworks)
         verified, unverified = verification(spec, frameworks, alternative)

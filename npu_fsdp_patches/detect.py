@@ -125,14 +125,17 @@ def _read_commit(root: Path | None, relative: str | None) -> str | None:
         return None
 
 
-def _ships(dist, module: str | None) -> bool:
-    """Whether the distribution's file list names files of ``module`` (a meta package lists none);
-    metadata without a file list (an egg-info file) ships what is found on sys.path."""
-    top = (module or "").split(".")[0]
-    files = dist.files()
-    if files is None:
-        return _module_dir(module) is not None
-    return bool(top) and any(path.startswith((top + "/", top + ".")) for path in files)
+def _extension_present(dist, needed: str) -> bool:
+    """Whether the part ``needed`` (a distribution name) that a meta package needs is there without its
+    own distribution: a source build ships it among the meta package's own files (TE's
+    ``transformer_engine_torch*.so``), or its module is found on sys.path (find_spec of a top-level
+    name imports nothing). The module name is the distribution's (``transformer-engine-torch`` ->
+    ``transformer_engine_torch``)."""
+    module = normalize(needed).replace("-", "_")
+    for path in dist.files() or ():
+        if path.rsplit("/", 1)[-1].startswith((module + ".", module + "/")) or f"/{module}/" in f"/{path}":
+            return True
+    return _module_dir(module) is not None
 
 
 def _notes(*parts: str | None) -> str | None:
@@ -164,10 +167,13 @@ def detect_framework(spec: FrameworkSpec, index: Mapping) -> Detected:
     if dist is not None and not shadowed:
         name = dist.name
         needs = next((n for meta, n in spec.meta_packages.items() if normalize(meta) == normalize(name)), None)
-        if needs and not any(normalize(d) in index for d in needs) and not _ships(dist, spec.module):
+        if needs and not any(normalize(d) in index or _extension_present(dist, d) for d in needs):
+            # the registry's meta package ships the framework's Python files too (transformer-engine
+            # 2.13.0: 181 files), yet it cannot be imported without the part it names
             return Detected(spec.name, False, name, dist.version, str(dist_root), "meta package only",
-                            note=f"{name} {dist.version} is only the meta package: {' or '.join(needs)} "
-                                 "is not installed, so the framework cannot be imported")
+                            note=_notes(f"{name} {dist.version} is only the meta package: "
+                                        f"{' or '.join(needs)} is not installed, so the framework "
+                                        "cannot be imported", _metadata_notes(dist)))
         flavor, rule = _flavor(spec, dist, name)
         return Detected(spec.name, True, name, dist.version,
                         str(module_dir or dist_root), "metadata", flavor, rule,

@@ -63,6 +63,17 @@ except BaseException as exc:
     emit({"error": causes(exc)})
 emit({})
 """
+_FRAMEWORKS_PROBE = _PROBE_PRELUDE + """
+import importlib
+found = {}
+for name, module in json.loads(sys.argv[1]).items():
+    try:
+        importlib.import_module(module)
+        found[name] = None
+    except BaseException as exc:
+        found[name] = causes(exc)
+emit(found)
+"""
 _TARGETS_PROBE = _PROBE_PRELUDE + """
 import importlib.util
 if importlib.util.find_spec("torch") is not None:   # the platform of every patch: first, and alone
@@ -98,10 +109,10 @@ def interpreter_command() -> list:
     return [sys.executable, *subprocess._args_from_interpreter_flags()]
 
 
-def _child(code: str, timeout: float = 300) -> tuple:
+def _child(code: str, timeout: float = 300, args: tuple = ()) -> tuple:
     """Run a probe in a fresh interpreter with the user's environment; return (result dict, error)."""
     try:
-        proc = subprocess.run([*interpreter_command(), "-c", code], capture_output=True, text=True,
+        proc = subprocess.run([*interpreter_command(), "-c", code, *args], capture_output=True, text=True,
                               timeout=timeout, env=user_environment())
     except subprocess.TimeoutExpired:
         return None, f"timed out after {timeout}s"
@@ -167,6 +178,56 @@ def environment_warnings(env: dict) -> list:
     return warnings
 
 
+def _gated_on(snap: RuntimeSnapshot) -> set:
+    """The frameworks some enabled patch's gate names: the ones whose import decides whether it applies."""
+    names = set()
+    for record in snap.records:
+        spec = snap.matrix.patches.get(record["name"]) if snap.matrix is not None else None
+        if record["decision"] == "enabled" and spec is not None:
+            names |= {cond.framework for alternative in spec.gate for cond in alternative}
+    return names
+
+
+def import_frameworks(snap: RuntimeSnapshot) -> dict:
+    """framework -> None (imports) or why it cannot be imported, for every framework an enabled patch
+    gates on and every meta package found without its part; imported in one child interpreter, so a
+    framework that crashes the interpreter is reported, never fatal. torch and torch_npu have their own
+    probes. A framework no enabled patch needs is not imported (its row stays metadata only)."""
+    if snap.matrix is None:
+        return {}
+    wanted, modules = _gated_on(snap), {}
+    for name, found in snap.frameworks.items():
+        spec = snap.matrix.frameworks.get(name)
+        if spec is None or not spec.module or name in (_TORCH.name, _TORCH_NPU.name):
+            continue
+        if found.source == "meta package only" or (found.installed and name in wanted):
+            modules[name] = spec.module
+    if not modules:
+        return {}
+    result, error = _child(_FRAMEWORKS_PROBE, args=(json.dumps(modules),))
+    if result is None:
+        return {name: f"importing it crashed the interpreter: {error}" for name in modules}
+    return {name: _first_and_root(causes) if causes else None for name, causes in result.items()}
+
+
+def framework_errors(frameworks: dict, matrix) -> list:
+    """An error for each framework that is installed but cannot be imported, with the next step."""
+    out = []
+    for name, fw in frameworks.items():
+        if fw.get("importable") is not False:
+            continue
+        what = f"{fw['distribution'] or name} {fw['version'] or '(unknown version)'}"
+        reason = fw["import_error"] or "unknown"
+        if fw["source"] == "meta package only" and fw.get("note"):
+            reason = fw["note"] + (f"; importing it raises {fw['import_error']}" if fw["import_error"] else "")
+        reason = reason.rstrip(". ")
+        module = matrix.frameworks[name].module
+        out.append(f"{name}: {what} is installed but not importable: {reason}. No patch that needs it "
+                   f"can apply. Next step: make `import {module}` work in this Python (install what the "
+                   "error names) and run doctor again")
+    return out
+
+
 def import_targets_in_child() -> tuple:
     """(status records, errors) after importing every enabled target in a fresh interpreter.
 
@@ -192,8 +253,12 @@ def _import_error(module: str, exc: BaseException, optional: bool) -> str | None
 
 
 def import_targets() -> list:
-    """Import every enabled patch's target modules so their hooks fire here; return import errors."""
-    errors = []
+    """Import every enabled patch's target modules so their hooks fire here; return import errors.
+
+    A patch still pending after one of its target modules raised (it is there, but its import fails:
+    a framework that cannot be imported) cannot apply in this environment: it is failed with that
+    error. A target module that is not there leaves the patch pending (``not found``, a warning)."""
+    errors, failed = [], {}
     snap = RUNTIME.snapshot()
     for record in snap.records:
         if record["decision"] != "enabled":
@@ -208,6 +273,10 @@ def import_targets() -> list:
                 error = _import_error(module, exc, optional)
                 if error:
                     errors.append(error)
+                    if not error.endswith(": not found"):   # it is there, and raises
+                        failed.setdefault(record["name"], error)
+    for name, error in failed.items():
+        RUNTIME.target_import_failed(name, f"target not importable: {error}")
     return errors
 
 
@@ -275,15 +344,24 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         else:
             import_failed = forced_pending(records)
     records = records if records is not None else RUNTIME.status()
+    failed_with = [r["error"] for r in records if r["state"] == "failed" and r["error"]]
+    import_errors = [e for e in import_errors if not any(e in why for why in failed_with)]
     code_errors, code_warnings = code_findings(snap)
+    frameworks = {n: {**d.as_dict(), "importable": None, "import_error": None}
+                  for n, d in snap.frameworks.items()}
+    # where `import torch` fails, every framework fails with it: the torch finding says it once
+    for name, why in (import_frameworks(snap) if env["device_error"] is None else {}).items():
+        frameworks[name].update(importable=why is None, import_error=why)
+    broken = {name for name, fw in frameworks.items() if fw["importable"] is False}
     report = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
         "plugin": plugin_section(snap),
         "environment": env,
-        "frameworks": {n: d.as_dict() for n, d in snap.frameworks.items()},
+        "frameworks": frameworks,
         "patches": records,
-        "errors": environment_errors(env) + import_failed + code_errors,
-        "warnings": _warnings(snap, records, env) + import_errors + code_warnings,
+        "errors": (environment_errors(env) + framework_errors(frameworks, snap.matrix) + import_failed
+                   + code_errors),
+        "warnings": _warnings(snap, records, env, broken) + import_errors + code_warnings,
         "self_test": None,
     }
     report["warnings"] += list(snap.settings.warnings) + list(filter(None, [snap.unknown_names_message()]))
@@ -302,11 +380,12 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
     return report
 
 
-def _warnings(snap: RuntimeSnapshot, records: list, env: dict) -> list:
+def _warnings(snap: RuntimeSnapshot, records: list, env: dict, broken: set) -> list:
     """The torch gate, the patches', the providers', the frameworks' and the platform's warnings."""
     return (torch_findings(snap.frameworks.get("torch"), snap.matrix) + warnings_for(records)
             + list(snap.provider_conflicts.values())
-            + [f"{name}: {fw.note}" for name, fw in snap.frameworks.items() if fw.note]
+            + [f"{name}: {fw.note}" for name, fw in snap.frameworks.items()
+               if fw.note and name not in broken]   # the error of a broken one says it (framework_errors)
             + environment_warnings(env))
 
 

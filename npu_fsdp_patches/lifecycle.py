@@ -196,6 +196,13 @@ class Lifecycle:
             raise PatchError(f"patch {record.name} failed at {symbol or record.name}: {cause}",
                              patch=record.name, target=symbol) from exc
 
+    def target_import_failed(self, name: str, error: str) -> None:
+        """A target module of ``name`` raised on import (doctor --import imports them): a patch still
+        pending can never apply in this environment, so it fails with that error."""
+        record = self.records[name]
+        if record.state == State.PENDING:
+            record.mark_failed(error)
+
     def scan_stale(self, names: list) -> None:
         """Name the modules that still hold an original, once every target of this round is patched
         (scanning per target listed the copies that the same round patches a moment later)."""

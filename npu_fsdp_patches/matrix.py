@@ -228,12 +228,31 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
 
 
 def _verified(r: _Reader, raw: Any, kp: str, frameworks: Mapping) -> dict:
+    """framework -> versions. A framework with flavours lists them per flavour
+    (``{npu: ["0.1.0"], nvidia: ["2.13.0"]}``), kept as ``"0.1.0 [npu]"`` (verified_entry): TENPU 0.1.0
+    and an NVIDIA TE 0.1.0 are different code. A plain list matches every flavour."""
     verified = {}
     for fw, versions in r.mapping(raw, kp).items():
         if fw not in frameworks:
             raise r.fail(f"{kp}.{fw}", f"unknown framework {fw!r}")
-        verified[fw] = r.strings(r.expect(versions, list, f"{kp}.{fw}", "a list"), f"{kp}.{fw}")
+        if isinstance(versions, dict):
+            known = {rule.flavor for rule in frameworks[fw].flavors}
+            entries = []
+            for flavor, listed in versions.items():
+                if flavor not in known:
+                    raise r.fail(f"{kp}.{fw}.{flavor}", f"unknown flavour {flavor!r} of {fw}; known: "
+                                                        f"{', '.join(sorted(known)) or 'none'}")
+                entries += [verified_entry(v, flavor) for v in r.strings(listed, f"{kp}.{fw}.{flavor}")]
+            verified[fw] = tuple(entries)
+            continue
+        verified[fw] = r.strings(r.expect(versions, list, f"{kp}.{fw}", "a list or a mapping of flavour: list"),
+                                 f"{kp}.{fw}")
     return verified
+
+
+def verified_entry(version: str, flavor: str | None) -> str:
+    """How a verified version of one flavour is kept and shown: ``2.13.0 [nvidia]``."""
+    return f"{version} [{flavor}]" if flavor else version
 
 
 def _defaults(r: _Reader, raw: Any, frameworks: Mapping) -> PatchDefaults:

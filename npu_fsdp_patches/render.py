@@ -78,14 +78,18 @@ def _frameworks(frameworks: dict) -> list:
         return []
     lines = ["", "Frameworks", f"  {'name':<19} {'version':<24} {'source':<9} location"]
     for name, fw in frameworks.items():
+        broken = "installed but not importable (see Errors)" if fw.get("importable") is False else None
         if not fw["installed"]:
-            lines += _row(f"  {name:<19} ", f"{fw['distribution']} {fw['version']}: meta package only"
-                          if fw["source"] == "meta package only" else "not installed")
+            lines += _row(f"  {name:<19} ", f"{fw['distribution']} {fw['version']}: meta package only, "
+                          + (broken or "not importable") if fw["source"] == "meta package only"
+                          else "not installed")
             continue
         extra = f" [{fw['flavor']}]" if fw["flavor"] else ""
         extra += f" commit {fw['commit'][:8]}" if fw["commit"] else ""
         head = f"  {name:<19} {(fw['version'] or 'unknown version') + extra:<24} {fw['source']:<9} "
         lines += _value(head, fw["location"])
+        if broken:
+            lines += _row(f"  {'':<19} ", broken)
         if fw.get("source_id"):   # versions such as MindSpeed's do not tell its branches apart
             lines += _row(f"  {'':<19} ", f"source tree: {fw['source_id']}")
     return lines
@@ -212,13 +216,23 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
     if spec.stand_down_probe:
         lines.append(f"Stand-down probe: {spec.stand_down_probe} (skipped when upstream already has the fix)")
     if spec.verified:
-        lines += wrap("Verified: " + "; ".join(f"{fw} {', '.join(v)}" for fw, v in spec.verified.items()))
+        lines += wrap("Verified: " + "; ".join(_verified_text(fw, v) for fw, v in spec.verified.items()))
     for key, value in spec.upstream.items():
         value = ", ".join(value) if isinstance(value, list) else value
         lines += wrap(f"Upstream {key}: {value}")
     if spec.facts:
         lines += wrap(f"Facts: {spec.facts}")
     return "\n".join(lines)
+
+
+def _verified_text(framework: str, entries: tuple) -> str:
+    """``transformer_engine [npu] 0.1.0, [nvidia] 2.10.0, 2.11.0``: each flavour once, before its versions."""
+    groups: dict = {}
+    for entry in entries:
+        version, _, flavor = entry.partition(" [")
+        groups.setdefault(flavor.rstrip("]") or None, []).append(version)
+    return framework + "".join(f" [{flavor}]" * bool(flavor) + " " + ", ".join(versions) + ","
+                               for flavor, versions in groups.items()).rstrip(",")
 
 
 def requirement(cond: Condition) -> str:
@@ -245,6 +259,15 @@ def gate_data(spec: PatchSpec, frameworks: dict) -> list:
         out.append({"alternative": i, "holds": all(c["holds"] for c in conditions),
                     "conditions": conditions})
     return out
+
+
+def unknown_patch_message(name: str, known: Iterable[str]) -> str:
+    """``explain NAME`` of a name no patch has: the near names first (difflib), then every known one."""
+    import difflib   # only a misspelled name pays for it
+    known = sorted(known)
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f". Did you mean {' or '.join(near)}? Known" if near else "; known"
+    return f"unknown patch {name!r}{hint}: {', '.join(known)}"
 
 
 def _name_width(records: Iterable[dict]) -> int:

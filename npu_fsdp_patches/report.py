@@ -54,10 +54,25 @@ def run_self_test(timeout: float) -> dict:
                 "stderr_tail": proc.stderr[-3000:]}
 
 
-def collect_report(self_test: bool, self_test_timeout: float) -> dict:
+def progress(line: str) -> None:
+    """One line per stage on stderr, so a report that runs for a minute is not silent (stdout keeps
+    only the final 'wrote ...' line)."""
+    print(f"npu-fsdp-patches report: {line}", file=sys.stderr, flush=True)
+
+
+def collect_report(self_test: bool, self_test_timeout: float, say=progress) -> dict:
+    say("[1/4] doctor --import (imports the enabled patches' targets in a child) ...")
     doctor = collect(try_import=True)
-    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "system": report_env.system(),
-            "packages": report_env.packages(), "ascend": report_env.ascend(), "doctor": doctor,
+    say("[2/4] system and packages ...")
+    system, packages = report_env.system(), report_env.packages()
+    say(f"[3/4] Ascend facts: CANN toolkit, NPU driver, npu-smi (up to {report_env.NPU_SMI_TIMEOUT_S:g} s) ...")
+    ascend = report_env.ascend()
+    if self_test:
+        say(f"[4/4] self-test on this node's devices (up to {self_test_timeout:g} s) ...")
+    else:
+        say("[4/4] self-test skipped: --no-self-test was given")
+    return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "system": system,
+            "packages": packages, "ascend": ascend, "doctor": doctor,
             "self_test": (run_self_test(self_test_timeout) if self_test
                           else {"skipped": "--no-self-test was given"})}
 
@@ -83,8 +98,17 @@ def _self_test_md(result: dict) -> list:
     lines = [f"{'PASSED' if data.get('passed') else 'FAILED'} on {data.get('device')} "
              f"({data.get('backend')}, {data.get('world_size')} ranks); exit code {result['exit_code']}", "",
              "| check | status | reason |", "| --- | --- | --- |"]
-    return lines + [f"| {c['name']} | {c['status']} | {(c.get('reason') or '').replace('|', '/')} |"
+    return lines + [f"| {c['name']} | {c['status']} | {_reason(c).replace('|', '/')} |"
                     for c in data.get("checks") or []]
+
+
+def _reason(check: dict) -> str:
+    """The check's reason; a failed one without it (a self-test of an older version) says why from its
+    error or first mismatch, as the JSON holds them."""
+    if check.get("reason") or check.get("status") != "failed":
+        return check.get("reason") or ""
+    from .selftest.report import failure_reason
+    return failure_reason(check)
 
 
 def markdown(report: dict, json_name: str) -> str:

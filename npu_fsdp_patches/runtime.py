@@ -19,7 +19,7 @@ from .late_detection import LateDetection
 from .lifecycle import Lifecycle, check_known
 from .plugin_log import log
 from .process_state import kept
-from .settings import PREFIX, Settings, parse_settings, strict_requested
+from .settings import Settings, parse_settings, strict_requested
 from .summary import ActivationSummary
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class Runtime:
                 return
             announce(environ, self.settings, self.job)
             if not self.settings.active:
-                self.job.config(20, f"{PREFIX}=0: kill switch set, nothing registered or applied")
+                self.job.config(20, f"{self.settings.kill_switch}: kill switch set, nothing registered or applied")
                 return
             if not self._prepare():
                 return
@@ -109,7 +109,7 @@ class Runtime:
         """Apply ``names`` (every matrix-enabled patch if none) as an explicit request; their records."""
         with self._lock:
             if not self.settings.active:
-                raise PatchError(f"{PREFIX}=0 (kill switch) is set; nothing is applied")
+                raise PatchError(f"{self.settings.kill_switch} (kill switch) is set; nothing is applied")
             self.ensure_prepared()
             life = self._life
             if life is None:
@@ -148,6 +148,12 @@ class Runtime:
             records = self._life.record_dicts()
         self._life.register_hooks()   # a module dropped from sys.modules is hooked again
         return records
+
+    def target_import_failed(self, name: str, error: str) -> None:
+        """Fail pending patch ``name``: importing its target module raised ``error`` (doctor --import)."""
+        with self._lock:
+            if self._life is not None:
+                self._life.target_import_failed(name, error)
 
     def snapshot(self) -> RuntimeSnapshot:
         """What doctor and the CLI report, as it is now (no liveness re-check, no hook registration)."""

@@ -1,4 +1,11 @@
-"""The one place NPU_FSDP_PATCHES_* environment variables are parsed (docs/design.md#32-environment-variables)."""
+"""The one place NPU_FSDP_PATCHES_* environment variables are parsed (docs/design.md#32-environment-variables).
+
+Two kinds of setting, two rules for a bad value. A setting that decides which patches apply or how a
+failure is handled (the kill switch, DISABLE, ENABLE, STRICT, MATRIX) raises ConfigError: guessing
+could apply a patch the user switched off, so the plugin stays inactive and says why. A cosmetic
+setting (LOG: only what is printed) falls back to its default with one warning, since a typo there
+must not switch the numerics fixes off for a whole job.
+"""
 from __future__ import annotations
 
 import os
@@ -31,6 +38,12 @@ class Settings(NamedTuple):
     matrix_path: str | None = None
     log_level: str | None = None
     warnings: tuple = ()            # e.g. a misspelled NPU_FSDP_PATCHES_* variable, naming the closest
+    kill_value: str = "0"           # the kill switch as the user wrote it (off, false, 0 ...), for messages
+
+    @property
+    def kill_switch(self) -> str:
+        """``NPU_FSDP_PATCHES=off`` as it was set, for every message that names it."""
+        return f"{PREFIX}={self.kill_value}"
 
     def unknown_names(self, known: set) -> list:
         """Names given in DISABLE/ENABLE that no patch has (sorted)."""
@@ -84,16 +97,26 @@ def parse_settings(environ: Mapping[str, str]) -> Settings:
     if both:
         raise ConfigError(f"{PREFIX}_DISABLE and {PREFIX}_ENABLE both name {', '.join(both)}; "
                           "accepted values: a patch name in at most one of them")
-    log = environ.get(f"{PREFIX}_LOG", "").strip().lower() or None
-    if log is not None and log not in LOG_LEVELS:
-        raise ConfigError(f"{PREFIX}_LOG={environ[f'{PREFIX}_LOG']!r} is not valid; accepted values: "
-                          f"{', '.join(LOG_LEVELS)} (Python level names, any case)")
+    log, log_warning = _log_level(environ)
     matrix = environ.get(f"{PREFIX}_MATRIX", "").strip() or None
     if matrix is not None:   # a spawned worker may start in another directory (os.chdir)
         matrix = os.path.abspath(os.path.expanduser(matrix))
-    return Settings(active=_flag(environ, PREFIX, True), disable=disable, disable_all=disable_all,
+    return Settings(active=_flag(environ, PREFIX, True), kill_value=(environ.get(PREFIX) or "").strip() or "0",
+                    disable=disable, disable_all=disable_all,
                     enable=enable, strict=_flag(environ, f"{PREFIX}_STRICT", False),
-                    matrix_path=matrix, log_level=log, warnings=misspelled_variables(environ))
+                    matrix_path=matrix, log_level=log,
+                    warnings=tuple(filter(None, [log_warning])) + misspelled_variables(environ))
+
+
+def _log_level(environ: Mapping[str, str]) -> tuple:
+    """(level or None, warning or None): a bad value is cosmetic, so the default level and one warning."""
+    key = f"{PREFIX}_LOG"
+    log = environ.get(key, "").strip().lower() or None
+    if log is None or log in LOG_LEVELS:
+        return log, None
+    return None, (f"{key}={environ[key]!r} is not valid and is ignored (the default level, warning, is "
+                  f"used; every patch still applies); accepted values: {', '.join(LOG_LEVELS)} "
+                  "(Python level names, any case)")
 
 
 def misspelled_variables(environ: Mapping[str, str]) -> tuple:

@@ -172,3 +172,8 @@ def require_te_site(version: str) -> Path:
 def require_tenpu_site() -> Path:
     """``tenpu_site()``, or skip the calling test like ``require_te_site``."""
     return _require(tenpu_site, f"TENPU stand-in: its base TE {TENPU_BASE}")
+
+
+def require_wheel(version: str) -> Path:
+    """``wheel(version)``, or skip the calling test like ``require_te_site``."""
+    return _require(wheel, f"TE {version}", version)

@@ -40,9 +40,9 @@ def test_dash_m_glued_to_the_module_in_strict_mode_gives_json_and_no_traceback(t
     for start in (["-mnpu_fsdp_patches"], ["-Im", "npu_fsdp_patches"], ["-X", "utf8", "-m", "npu_fsdp_patches"]):
         proc = subprocess.run([sys.executable, *start, "doctor", "--json"], capture_output=True, text=True,
                               timeout=300, cwd=tmp_path,
-                              env=_env(NPU_FSDP_PATCHES_STRICT="1", NPU_FSDP_PATCHES_LOG="loud"))
+                              env=_env(NPU_FSDP_PATCHES_STRICT="1", NPU_FSDP_PATCHES_DISABLE="a;b"))
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (start, proc.stderr[-2000:])
-        assert json.loads(proc.stdout)["plugin"]["config_error"].startswith("NPU_FSDP_PATCHES_LOG='loud'")
+        assert json.loads(proc.stdout)["plugin"]["config_error"].startswith("NPU_FSDP_PATCHES_DISABLE='a;b'")
 
 
 def test_under_python_dash_I_frameworks_and_patches_agree(tmp_path):

@@ -78,9 +78,9 @@ def test_invalid_env_value_names_the_variable_and_the_import_survives(tmp_path):
     result, proc = run_demo(tmp_path, """
 import npu_fsdp_patches, demo_target
 emit(greet=demo_target.greet("x"), status=npu_fsdp_patches.status())
-""", NPU_FSDP_PATCHES_LOG="loud")
+""", NPU_FSDP_PATCHES_DISABLE="demo;shout")
     assert result == {"greet": "hello x", "status": []}
-    assert "NPU_FSDP_PATCHES_LOG='loud' is not valid; accepted values: debug, info, warning" in proc.stderr
+    assert "NPU_FSDP_PATCHES_DISABLE='demo;shout' is not valid (demo;shout); accepted values: " in proc.stderr
 
 
 def test_invalid_env_value_raises_in_strict_mode(tmp_path):

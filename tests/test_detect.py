@@ -27,6 +27,7 @@ def test_te_flavors_and_the_rule_that_decided(tmp_path):
     npu, nv, shipped = tmp_path / "npu", tmp_path / "nv", tmp_path / "shipped"
     make_dist(npu, "transformer_engine_npu", "2.2.0", {"transformer_engine/__init__.py": ""})
     make_dist(nv, "transformer_engine", "2.11.0", {"transformer_engine/__init__.py": ""})
+    make_dist(nv, "transformer_engine_torch", "2.11.0", {"transformer_engine_torch.py": ""})
     make_dist(shipped, "transformer-engine", "2.5.0",
               {"transformer_engine/__init__.py": "", "transformer_engine_npu/__init__.py": ""},
               top_level="transformer_engine\ntransformer_engine_npu")
@@ -41,6 +42,7 @@ def test_te_flavors_and_the_rule_that_decided(tmp_path):
 
 def test_immune_to_mindspeed_patched_metadata_version(tmp_path):
     make_dist(tmp_path, "transformer_engine", "2.11.0", {"transformer_engine/__init__.py": ""})
+    make_dist(tmp_path, "transformer_engine_torch", "2.11.0", {"transformer_engine_torch.py": ""})
     prelude = "importlib.metadata.version = lambda name: '2.2.0'  # what MindSpeed does"
     assert detect([tmp_path], prelude)["transformer_engine"]["version"] == "2.11.0"
 
@@ -109,16 +111,31 @@ def test_megatron_energon_alone_is_not_megatron_core_and_the_namespace_is_search
     assert (mc["installed"], mc["version"], mc["location"]) == (True, "0.16.1", str(core / "megatron" / "core"))
 
 
-def test_transformer_engine_meta_package_without_its_torch_extension_is_reported_as_such(tmp_path):
-    make_dist(tmp_path, "transformer_engine", "2.11.0", {})       # the registry's meta package: no code
-    make_dist(tmp_path, "transformer_engine_cu12", "2.11.0", {"transformer_engine/__init__.py": ""})
+# The files of the registry's transformer-engine 2.13.0 wheel (181 in all): TE's whole Python
+# package, without the torch extension transformer_engine_torch (a distribution of its own).
+META_FILES = {"transformer_engine/__init__.py": "raise RuntimeError('must not be imported')\n",
+              "transformer_engine/common/__init__.py": "",
+              "transformer_engine/pytorch/__init__.py": "",
+              "transformer_engine/pytorch/optimizers/fused_adam.py": ""}
+
+
+def test_transformer_engine_meta_package_with_its_python_files_but_no_torch_extension(tmp_path):
+    make_dist(tmp_path, "transformer_engine", "2.11.0", META_FILES)
+    make_dist(tmp_path, "transformer_engine_cu12", "2.11.0", {"transformer_engine/libtransformer_engine.so": ""})
     te = detect([tmp_path])["transformer_engine"]
     assert (te["installed"], te["version"], te["source"]) == (False, "2.11.0", "meta package only")
-    assert te["note"] == ("transformer_engine 2.11.0 is only the meta package: transformer-engine-torch is not "
-                          "installed, so the framework cannot be imported")
+    assert te["note"] == ("transformer_engine 2.11.0 is only the meta package: transformer-engine-torch or "
+                          "transformer-engine-npu is not installed, so the framework cannot be imported")
     make_dist(tmp_path, "transformer_engine_torch", "2.11.0", {"transformer_engine_torch.py": ""})
     te = detect([tmp_path])["transformer_engine"]
     assert (te["installed"], te["version"], te["flavor"]) == (True, "2.11.0", "nvidia")
+
+
+def test_transformer_engine_source_build_ships_its_extension_among_its_own_files(tmp_path):
+    make_dist(tmp_path, "transformer_engine", "2.12.0",
+              {**META_FILES, "transformer_engine/transformer_engine_torch.cpython-311-x86_64-linux-gnu.so": ""})
+    te = detect([tmp_path])["transformer_engine"]
+    assert (te["installed"], te["source"], te["flavor"]) == (True, "metadata", "nvidia")
 
 
 def test_transformer_engine_tree_without_metadata_has_an_unknown_flavour_and_a_warning(tmp_path):

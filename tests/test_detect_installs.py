@@ -13,6 +13,9 @@ PKG_INFO = "Metadata-Version: 1.1\nName: transformer_engine\nVersion: 2.11.0\nSu
 def _te_package(site):
     (site / "transformer_engine").mkdir(parents=True, exist_ok=True)
     (site / "transformer_engine" / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    # the torch extension a source build installs next to it (without it, a transformer-engine
+    # distribution is only the meta package)
+    (site / "transformer_engine_torch.py").write_text("raise RuntimeError('must not be imported')\n")
 
 
 def _detect(site, distribution="transformer-engine", framework="transformer_engine"):

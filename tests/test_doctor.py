@@ -52,9 +52,9 @@ def test_doctor_import_applies_and_reports_failures_with_exit_1(tmp_path):
 
 
 def test_doctor_bad_configuration_exit_2_in_text_and_json(tmp_path):
-    proc = cli(tmp_path, "doctor", NPU_FSDP_PATCHES_LOG="chatty")
+    proc = cli(tmp_path, "doctor", NPU_FSDP_PATCHES_STRICT="chatty")
     assert proc.returncode == 2
-    assert "INACTIVE: NPU_FSDP_PATCHES_LOG='chatty' is not valid" in proc.stdout
+    assert "INACTIVE: NPU_FSDP_PATCHES_STRICT='chatty' is not valid" in proc.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema_version: 1\nframeworks: {}\npatches: [\n")
     proc = cli(tmp_path, "doctor", "--json", NPU_FSDP_PATCHES_MATRIX=str(bad))
@@ -235,7 +235,7 @@ def _entry(tmp_path, entry, *args, **env):
 def test_strict_mode_with_a_config_error_gives_exit_2_and_complete_json_for_every_command(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("schema_version: [\n")
-    for entry, args, env in (("script", ("doctor", "--json"), {"NPU_FSDP_PATCHES_LOG": "loud"}),
+    for entry, args, env in (("script", ("doctor", "--json"), {"NPU_FSDP_PATCHES_DISABLE": "a;b"}),
                              ("module", ("list", "--json"), {"NPU_FSDP_PATCHES_MATRIX": str(bad)}),
                              ("script", ("explain", "demo_shout", "--json"), {"NPU_FSDP_PATCHES_MATRIX": str(bad)})):
         proc = _entry(tmp_path, entry, *args, NPU_FSDP_PATCHES_STRICT="1", **env)
@@ -243,7 +243,7 @@ def test_strict_mode_with_a_config_error_gives_exit_2_and_complete_json_for_ever
         assert "Traceback" not in proc.stderr
         report = json.loads(proc.stdout)
         assert report["exit_code"] == 2 and report["plugin"]["strict"] is True
-        expected = "NPU_FSDP_PATCHES_LOG='loud'" if "NPU_FSDP_PATCHES_LOG" in env else f"{bad}:2: YAML error"
+        expected = "NPU_FSDP_PATCHES_DISABLE='a;b'" if "NPU_FSDP_PATCHES_DISABLE" in env else f"{bad}:2: YAML error"
         assert report["plugin"]["config_error"].startswith(expected), report["plugin"]
     proc = _entry(tmp_path, "module", "list", NPU_FSDP_PATCHES_STRICT="1", NPU_FSDP_PATCHES_MATRIX=str(bad))
     assert proc.returncode == 2 and proc.stderr.strip().endswith("YAML error: did not find expected node content")
@@ -363,10 +363,14 @@ def test_doctor_import_shows_the_real_error_of_a_target_and_fails_a_forced_patch
         'targets: ["not_installed_module_xyz:thing"]\n    gate:\n      - nowhere: {installed: true}',
         'targets: ["demo_broken_dep:thing"]\n    gate:\n      - demo: {installed: true}'))
     report = json.loads(cli(tmp_path, "doctor", "--json", "--import", NPU_FSDP_PATCHES_MATRIX=str(matrix)).stdout)
-    found = [w for w in report["warnings"] if w.startswith("import demo_broken_dep")]
-    assert found and found[0].startswith("import demo_broken_dep: ModuleNotFoundError: No module named "
-                                         "'a_missing_dependency_xyz' (at "), report["warnings"]
-    assert found[0].endswith("demo_broken_dep.py:1)")
+    # the target module is there but raises: the patch can never apply here, so it fails with the error
+    record = next(r for r in report["patches"] if r["targets"] == ["demo_broken_dep:thing"])
+    assert record["state"] == "failed", record
+    assert record["error"].startswith("target not importable: import demo_broken_dep: ModuleNotFoundError: "
+                                      "No module named 'a_missing_dependency_xyz' (at "), record
+    assert record["error"].endswith("demo_broken_dep.py:1)")
+    assert not [w for w in report["warnings"] if "demo_broken_dep" in w], report["warnings"]
+    assert report["exit_code"] == 1
     # demo_absent forced on: its target module is not there, so it stays pending: an error, exit 1
     proc = cli(tmp_path, "doctor", "--json", "--import", NPU_FSDP_PATCHES_ENABLE="demo_absent")
     report = json.loads(proc.stdout)

@@ -109,7 +109,12 @@ def test_every_check_and_doctor_pass_where_the_patches_apply(stack_sites, te, hy
     assert "patches applied: " in proc.stderr and "nothing patched" not in proc.stderr
     doctor = json.loads(run_python(_DOCTOR_SELF_TEST, paths=sites).stdout)
     assert doctor["state"] == "applied"       # the patch was live while doctor's subset ran
-    assert (doctor["rc"], doctor["self_test"]["passed"]) == (0, True), doctor["self_test"]
+    assert doctor["self_test"]["passed"] is True, doctor["self_test"]
+    # the one error finding allowed: the venv's megatron-core cannot import next to the TE stand-ins
+    # (it needs a full TE build), which doctor reports as it would on a user's broken install
+    assert all(e.startswith("megatron_core: megatron-core ") and "installed but not importable" in e
+               for e in doctor["errors"]), doctor["errors"]
+    assert doctor["rc"] == (1 if doctor["errors"] else 0), doctor
 
 
 _DOCTOR_SELF_TEST = """
@@ -119,7 +124,8 @@ from npu_fsdp_patches.cli import main
 with contextlib.redirect_stdout(io.StringIO()) as out:
     rc = main(["doctor", "--json", "--self-test"])
 state = {r["name"]: r["state"] for r in npu_fsdp_patches.status()}["hp_skip_dispatch_adamw"]
-print(json.dumps({"rc": rc, "self_test": json.loads(out.getvalue())["self_test"], "state": state}))
+report = json.loads(out.getvalue())
+print(json.dumps({"rc": rc, "self_test": report["self_test"], "state": state, "errors": report["errors"]}))
 """
 
 
@@ -212,12 +218,15 @@ def _clean_env(extra):
 
 def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_reports(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "npu_fsdp_patches", "self-test", "--only", "foreach_adamw", "--json"],
+                           "-m", "npu_fsdp_patches", "self-test", "--only", "foreach_adamw,main_params", "--json"],
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=tmp_path, env=_clean_env({}))
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads(proc.stdout)                      # rank 1 printed nothing
     assert (report["mode"], report["world_size"], report["nproc_per_node"]) == ("in_job", 2, None)
-    assert by_name(report)["foreach_adamw"]["status"] == "passed"
+    assert by_name(report)["foreach_adamw"]["status"] == by_name(report)["main_params"]["status"] == "passed"
+    # the self-test's own models raise no torch warning: main_params' wrapped Linear on 3-D input
+    # returned a view, and FSDP2 warned "returned a view tensor ... wrong gradients" on every rank
+    assert "returned a view tensor" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_inside_an_srun_step_ranks_come_from_slurm_variables(tmp_path):

@@ -20,6 +20,8 @@ P = "NPU_FSDP_PATCHES"
     ({f"{P}_LOG": "WARNING"}, dict(log_level="warning")),
     ({f"{P}_LOG": "Critical"}, dict(log_level="critical")),
     ({f"{P}_DISABLE": "a"}, dict(warnings=())),
+    ({f"{P}_STRICT": "0"}, dict(strict=False)),
+    ({f"{P}_ENABLE": "x,y"}, dict(enable=frozenset({"x", "y"}))),
 ])
 def test_valid_settings(env, expected):
     settings = parse_settings(env)
@@ -32,8 +34,6 @@ def test_valid_settings(env, expected):
     ({f"{P}_STRICT": "yes please"}, f"{P}_STRICT='yes please' is not valid"),
     ({f"{P}_ENABLE": "*"}, f"{P}_ENABLE='*' is not valid; accepted values: a comma-separated list"),
     ({f"{P}_DISABLE": "a;b"}, f"{P}_DISABLE='a;b' is not valid (a;b)"),
-    ({f"{P}_LOG": "trace"}, f"{P}_LOG='trace' is not valid; accepted values: debug, info, warning, warn, error, critical, fatal, notset "
-                            "(Python level names, any case)"),
     ({f"{P}_DISABLE": "a", f"{P}_ENABLE": "a"}, "both name a"),
 ])
 def test_invalid_settings_name_the_variable(env, message):
@@ -71,3 +71,58 @@ def test_unknown_patch_names_are_reported_with_the_closest_known_name():
         f"{P}_DISABLE/{P}_ENABLE name unknown patch(es) te_fused_adam_dtensr (did you mean "
         "te_fused_adam_dtensor?), zz; known patches: hp_fp32_main_params, te_fused_adam_dtensor")
     assert settings.unknown_names_message({"te_fused_adam_dtensr", "zz"}) is None
+
+
+# Every variable, with a bad value, and what that does: a setting that decides patches (or how a failure
+# is handled) refuses the value and leaves the plugin inactive; a cosmetic one (LOG) falls back to its
+# default with one warning (docs/usage.md#environment-variables).
+BAD_VALUES = {
+    P: ("2", "refused"),
+    f"{P}_DISABLE": ("a;b", "refused"),
+    f"{P}_ENABLE": ("*", "refused"),
+    f"{P}_STRICT": ("sometimes", "refused"),
+    f"{P}_MATRIX": (None, "a path: any value is one (a missing file is a matrix error, tests/test_matrix.py)"),
+    f"{P}_LOG": ("verbose", "default"),
+}
+
+
+def test_every_variable_has_a_bad_value_rule():
+    from npu_fsdp_patches.settings import ENV_VARS
+    assert set(BAD_VALUES) == set(ENV_VARS)
+
+
+@pytest.mark.parametrize("name", [n for n, (value, rule) in BAD_VALUES.items() if rule == "refused"])
+def test_a_bad_value_of_a_setting_that_decides_patches_is_refused(name):
+    value, _ = BAD_VALUES[name]
+    with pytest.raises(ConfigError) as info:
+        parse_settings({name: value})
+    assert str(info.value).startswith(f"{name}={value!r} is not valid")
+
+
+def test_a_bad_log_level_falls_back_to_the_default_with_one_warning():
+    settings = parse_settings({f"{P}_LOG": "verbose", f"{P}_DISABLE": "x"})
+    assert (settings.log_level, settings.active, settings.disable) == (None, True, frozenset({"x"}))
+    assert settings.warnings == (
+        f"{P}_LOG='verbose' is not valid and is ignored (the default level, warning, is used; every patch "
+        "still applies); accepted values: debug, info, warning, warn, error, critical, fatal, notset "
+        "(Python level names, any case)",)
+
+
+def test_a_bad_log_level_keeps_the_plugin_active_in_a_real_process():
+    from tests.support import run_python
+    code = ("import npu_fsdp_patches; from npu_fsdp_patches.runtime import RUNTIME; "
+            "print(RUNTIME.snapshot().config_error, len(npu_fsdp_patches.status()))")
+    proc = run_python(code, env={f"{P}_LOG": "verbose"})
+    error, count = proc.stdout.split()
+    assert error == "None" and int(count) > 0
+    assert proc.stderr.count(f"{P}_LOG='verbose' is not valid and is ignored") == 1, proc.stderr
+
+
+def test_the_kill_switch_is_named_as_it_was_set():
+    from npu_fsdp_patches.decide import decide
+    from npu_fsdp_patches.matrix import load_matrix
+    spec = load_matrix().patches["te_fused_adam_dtensor"]
+    for raw in ("off", "False", "0"):
+        settings = parse_settings({P: raw})
+        assert settings.active is False and settings.kill_switch == f"{P}={raw}"
+        assert decide(spec, {}, settings).reason == f"{P}={raw} (kill switch)"

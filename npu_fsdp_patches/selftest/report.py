@@ -62,7 +62,22 @@ def merge(name: str, per_rank: list) -> dict:
                  max_abs_error=max(errors) if errors else None, tolerance=results[0].get("tolerance"),
                  first_mismatch=first, error=error,
                  details={k: v for k, v in results[0].items() if k not in _FIGURES})
+    if check["status"] == "failed" and not check["reason"]:
+        check["reason"] = failure_reason(check)   # every failure says why, in every rendering
     return check
+
+
+def failure_reason(check: dict) -> str:
+    """Why a failed check failed, in one line: the error a rank raised, else the first mismatch."""
+    error, first = check.get("error"), check.get("first_mismatch")
+    if error:
+        return f"error on rank {error['rank']}: {error['message']}"
+    if first:
+        return (f"{check.get('mismatches')} mismatches (max abs error {_number(check.get('max_abs_error'))}, "
+                f"tolerance {_tolerance(check.get('tolerance'))}); first: rank {first['rank']} "
+                f"{first['what']} index {first['index']}: expected {first['expected']!r} got {first['got']!r}")
+    return (f"{check.get('mismatches')} mismatches, max abs error {_number(check.get('max_abs_error'))} "
+            f"(tolerance {_tolerance(check.get('tolerance'))})")
 
 
 def _empty(name: str, status: str, reason: Optional[str] = None) -> dict:
@@ -102,17 +117,23 @@ def _number(value) -> str:
     return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+#: the check-name column: as wide as the longest built-in check name (te_fused_adam, hyper_skip_dispatch)
+NAME_WIDTH = 20
+
+
 def check_line(check: dict) -> str:
-    """The progress line of one check, plus its first mismatch / error when it failed."""
+    """The progress line of one check, plus its first mismatch / error when it failed. The columns
+    (name, seconds, figures) line up from check to check; the patch a check verified comes last."""
     tag = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(check["status"], "----")
-    line = f"[{tag}] {check['name']:<20}"
-    if check.get("patches"):
-        line += f" (patch {', '.join(check['patches'])})"
+    line = f"[{tag}] {check['name']:<{NAME_WIDTH}} "
     if check["status"] in ("skipped", "not run"):
-        return f"{line} {check['reason'] or check['status']}"
-    line += (f" {check['seconds']:7.2f} s  elements {check['elements']}  mismatches {check['mismatches']}"
-             f"  max abs error {_number(check['max_abs_error'])}  tolerance {_tolerance(check['tolerance'])}")
-    if check["reason"]:
+        return f"{line}{'-':>7}    {check['reason'] or check['status']}"
+    line += (f"{_seconds(check['seconds']):>7} s  elements {_number(check['elements'])}  mismatches "
+             f"{_number(check['mismatches'])}  max abs error {_number(check['max_abs_error'])}  "
+             f"tolerance {_tolerance(check['tolerance'])}")
+    if check.get("patches"):
+        line += f"  (patch {', '.join(check['patches'])})"
+    if check["reason"] and check["reason"] != failure_reason(check):
         line += f"\n       {check['reason']}"
     first = check["first_mismatch"]
     if first:
@@ -123,7 +144,13 @@ def check_line(check: dict) -> str:
     return line
 
 
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _tolerance(tolerance) -> str:
+    if tolerance is None:   # a check that raised before it compared anything
+        return "-"
     if isinstance(tolerance, dict):
         return "; ".join(f"{k} {v if isinstance(v, str) else ', '.join(f'{a}={b}' for a, b in v.items())}"
                          for k, v in tolerance.items())

@@ -42,7 +42,11 @@ class TinyLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
-        return self.lm_head(h + self.proj2(torch.tanh(self.proj1(h))) * self.gain)
+        # the FSDP2-wrapped projections take 2-D input: torch's linear with a bias on 3-D input returns a
+        # view, and FSDP2 warns of every wrapped module that returns one ("returned a view tensor")
+        flat = h.reshape(-1, h.shape[-1])
+        mixed = self.proj2(torch.tanh(self.proj1(flat))).reshape(h.shape)
+        return self.lm_head(h + mixed * self.gain)
 
 
 def _build(ctx: Context):

@@ -1,0 +1,57 @@
+"""The matrix's `verified` lists say what the suite runs (issue 31): doctor's "in range but not verified
+by the test suite" and explain's "Verified:" read them. A flavoured framework lists its versions per
+flavour, since TENPU 0.1.0 and an NVIDIA TE release are different code."""
+from npu_fsdp_patches.decide import decide
+from npu_fsdp_patches.detect import Detected
+from npu_fsdp_patches.matrix import load_matrix
+from npu_fsdp_patches.render import explain_text
+from npu_fsdp_patches.settings import parse_settings
+from tests.te_real import RELEASES
+from tests.test_te_real import _TE_PATCHES, APPLIED, INITIALIZE_STATE
+
+MATRIX = load_matrix()
+#: te_initialize_state_compat on TE 2.20.2 runs in .ci/steps/50-megatron-py312.sh (megatron-core 0.19.2)
+PY312_STEP = {"2.20.2"}
+
+
+def _nvidia(patch):
+    return {e.split(" [")[0] for e in MATRIX.patches[patch].verified["transformer_engine"] if e.endswith("[nvidia]")}
+
+
+def test_flavoured_frameworks_list_each_verified_version_with_its_flavour():
+    for name, spec in MATRIX.patches.items():
+        for fw, entries in spec.verified.items():
+            if MATRIX.frameworks[fw].flavors:
+                assert all(e.endswith(("[npu]", "[nvidia]")) for e in entries), (name, fw, entries)
+
+
+def test_te_patches_are_verified_on_exactly_the_releases_the_real_te_tests_run():
+    assert set(APPLIED) <= set(RELEASES)
+    for patch in _TE_PATCHES:
+        verified = _nvidia(patch)
+        assert verified <= set(APPLIED), (patch, verified - set(APPLIED))   # each one is run...
+        assert {v for v, applied in APPLIED.items() if patch in applied} <= verified, patch   # ...and all of them
+    assert _nvidia("te_initialize_state_compat") == set(INITIALIZE_STATE) | PY312_STEP
+
+
+def test_the_readme_stack_te_2_13_with_megatron_is_verified_for_every_patch_it_enables():
+    found = {name: Detected(name, False) for name in MATRIX.frameworks}
+    found["torch"] = Detected("torch", True, "torch", "2.13.0")
+    found["megatron_core"] = Detected("megatron_core", True, "megatron-core", "0.16.1")
+    found["transformer_engine"] = Detected("transformer_engine", True, "transformer-engine", "2.13.0",
+                                           flavor="nvidia")
+    decisions = {n: decide(s, found, parse_settings({})) for n, s in MATRIX.patches.items()}
+    enabled = {n: d for n, d in decisions.items() if d.enabled}
+    assert set(enabled) == {"te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_initialize_state_compat"}
+    assert {n: d.unverified for n, d in enabled.items()} == {n: () for n in enabled}
+    # the same version of the other flavour is not verified
+    found["transformer_engine"] = found["transformer_engine"]._replace(flavor="npu", version="2.13.0")
+    assert decide(MATRIX.patches["te_fused_adam_dtensor"], found, parse_settings({})).unverified == (
+        "transformer-engine 2.13.0 (npu)",)
+
+
+def test_explain_names_the_flavour_of_each_verified_version():
+    found = {name: Detected(name, False) for name in MATRIX.frameworks}
+    text = explain_text(MATRIX.patches["te_fused_adam_dtensor"], None, found, None)
+    flat = " ".join(line.strip() for line in text.splitlines())
+    assert "; transformer_engine [npu] 0.1.0, [nvidia] 2.10.0, 2.11.0, 2.12.0, 2.13.0," in flat, flat
