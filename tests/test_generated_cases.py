@@ -172,6 +172,7 @@ def _assert_documented(case: dict) -> None:
 @given(case=cases("fused_adam"))
 @example(case=_case("fused_adam", [_p([2, 3], "bfloat16", layout="transposed"), _p([], grad="nan")],
                     {**FUSED, "master_weights": True}))
+@example(case=_case("fused_adam", [_p([])], {**FUSED, "amsgrad": True, "maximize": True}))
 @example(case=_case("fused_adam", [_p([3], grad="other_dtype", grad_dtype="bfloat16"), _p([0, 3], "float16")],
                     {**FUSED, "adam_w_mode": False, "decoupled_grad": not GRAD_DTYPE_ATTR},
                     groups=[{"lr": 0.1, "lr_tensor": True, "betas": [0.5, 0.9], "eps": 1e-3,
@@ -205,6 +206,14 @@ def test_fused_adam_refuses_float64_and_complex_params(case):
                     {**FOREACH, "fused": True}))
 @example(case=_case("foreach", [_p([3], "complex64")], {**FOREACH, "fused": True}))
 @example(case=_case("foreach", [_p([2])], {**FOREACH, "capturable": True}))
+@example(case=_case("foreach", [_p([1])], {**FOREACH, "fused": True, "capturable": True, "differentiable": True}))
+# found by the long profile, harness bugs: a "transposed" [4, 1] param shared its storage with the
+# reference's (``contiguous()`` of a [1, 4] view is the view itself); a tensor lr's reference was the
+# float drawn, not the fp32 tensor's value
+@example(case=_case("foreach", [_p([4, 1], layout="transposed")], {**FOREACH, "cls": "Adam"}))
+@example(case=_case("foreach", [_p([], "float64")], FOREACH,
+                    groups=[{"lr": 1e-3, "lr_tensor": True, "betas": [0.9, 0.999], "eps": 1e-8,
+                             "weight_decay": 0.0}]))
 def test_foreach_adamw_step_matches_torch_foreach_adam(case):
     """Bit-exact with torch's Adam/AdamW(foreach=True) (fused=True where the group sets it), or the
     same refusal torch gives; capturable and differentiable refused naming the option."""
@@ -222,6 +231,8 @@ def test_foreach_adamw_step_matches_torch_foreach_adam(case):
                             {"lr": 0.1, "lr_tensor": True, "betas": [0.8, 0.9], "eps": 1e-6,
                              "weight_decay": 0.0}], add_param_group=True))
 @example(case=_case("main_params", [_p([3], "bfloat16"), _p([2], "float64", name="p1")], MAIN))
+# a frozen float64 param the optimizer is not given is the model's own business (long profile)
+@example(case=_case("main_params", [_p([3], "bfloat16"), _p([], "float64", name="p1", frozen=True)], MAIN))
 # found by this file: a non-contiguous fp32 main_grad reached a fused leaf as is (fp32_grad's
 # ``.to(memory_format=contiguous)`` returns an fp32 tensor unchanged), and torch's fused kernel paired
 # its elements with the contiguous main param by memory position: wrong numbers, no error
