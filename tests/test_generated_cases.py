@@ -14,9 +14,9 @@ Every failure found becomes an ``@example`` below (or a ``MULTIRANK_EXAMPLES`` e
 """
 from __future__ import annotations
 
+import json
 import os
 
-import pytest
 import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
@@ -40,7 +40,7 @@ def profile(examples: int) -> settings:
     return settings(_BASE, max_examples=examples * _SCALE)
 
 
-#: a grad of another dtype through ``.grad`` needs ``Tensor.grad_dtype`` (torch >= 2.10); without it
+#: a grad of another dtype through ``.grad`` needs ``Tensor.grad_dtype`` (torch 2.13 has it); without it
 #: FusedAdam gets it as ``decoupled_grad`` and MainParamsOptimizer as ``main_grad``
 GRAD_DTYPE_ATTR = hasattr(torch.Tensor, "grad_dtype")
 
@@ -87,6 +87,12 @@ def _param(draw, index: int, n_groups: int, dtypes: list, two_ranks: bool, grad_
     return spec
 
 
+def _rarely(draw) -> bool:
+    """True about one time in eight. (``sampled_from([False] * 9 + [True])`` is almost never True
+    under the derandomized profile: Hypothesis favours a list's first elements.)"""
+    return draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans())
+
+
 @st.composite
 def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None = None) -> dict:
     """One case for ``optimizer`` ("fused_adam", "foreach", "main_params")."""
@@ -96,8 +102,7 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
         options = {"adam_w_mode": draw(st.booleans()), "master_weights": draw(st.booleans()),
                    "decoupled_grad": draw(st.booleans()),
                    # the constructor's refusals (docs/te_fused_adam.md#12-constructor-errors)
-                   "amsgrad": draw(st.sampled_from([False] * 9 + [True])),
-                   "maximize": draw(st.sampled_from([False] * 9 + [True]))}
+                   "amsgrad": _rarely(draw), "maximize": _rarely(draw)}
         grad_kinds = ["normal", "normal", "none", "nan", "inf", "other_dtype"]
     elif optimizer == "foreach":
         dtypes = dtypes or ["float32", "bfloat16", "float16", "float64", "complex64"]
@@ -105,17 +110,16 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
         options = {"cls": draw(st.sampled_from(["AdamW", "Adam"])),
                    "foreach": None if fused else draw(st.sampled_from([None, True, False])),
                    "fused": fused, "amsgrad": draw(st.booleans()), "maximize": draw(st.booleans()),
-                   "capturable": draw(st.sampled_from([False] * 14 + [True])),
-                   "differentiable": draw(st.sampled_from([False] * 14 + [True]))}
+                   "capturable": _rarely(draw), "differentiable": _rarely(draw)}
         grad_kinds = ["normal", "normal", "none", "nan", "inf"] + (["other_dtype"] if GRAD_DTYPE_ATTR else [])
     elif optimizer == "main_params":
         dtypes = dtypes or ["bfloat16", "bfloat16", "float16", "float32"] + ["float64", "complex64"] * (
-            not two_ranks and draw(st.sampled_from([False] * 7 + [True])))
+            not two_ranks and _rarely(draw))
         fused = draw(st.sampled_from([False, False, True]))
         options = {"cls": draw(st.sampled_from(["AdamW", "Adam"])),
                    "foreach": None if fused else draw(st.sampled_from([None, True, False])),
                    "fused": fused, "amsgrad": draw(st.booleans()), "maximize": draw(st.booleans()),
-                   "add_group_after_wrap": draw(st.sampled_from([False] * 14 + [True]))}
+                   "add_group_after_wrap": _rarely(draw)}
         grad_kinds = ["normal", "normal", "none", "nan", "inf", "other_dtype"]
     else:
         raise ValueError(optimizer)
@@ -126,11 +130,14 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
             options["decoupled_grad"] = True
         if optimizer == "main_params":
             spec["frozen_in_optimizer"] = spec["frozen"] and draw(st.booleans())
-            spec["grad_layout"] = spec["layout"]   # the leaf's own kernels see the model's layout
+            if spec["grad"] != "other_dtype":   # a main_grad may have any layout: the wrapper lays out
+                spec["grad_layout"] = spec["layout"]   # its fp32 copy; a .grad reaches the leaf as is
             if options["fused"] and spec["dtype"] == "float32" and spec["layout"] == "strided":
                 # an fp32 param is its own main param, handed to the leaf as is, and torch's fused
                 # AdamW mis-steps a non-dense param by itself (docs/main_params.md#6-limits)
-                spec["layout"] = spec["grad_layout"] = "contiguous"
+                spec["layout"] = "contiguous"
+                if spec["grad"] != "other_dtype":
+                    spec["grad_layout"] = "contiguous"
     return {"optimizer": optimizer, "seed": draw(st.integers(0, 2 ** 16)), "steps": draw(st.integers(1, 3)),
             "add_param_group": draw(st.booleans()), "groups": [draw(_hyper()) for _ in range(n_groups)],
             "options": options, "params": params}
@@ -168,7 +175,7 @@ def _assert_documented(case: dict) -> None:
 
 # ----------------------------------------------------------------------------- one process
 
-@profile(60)
+@profile(100)
 @given(case=cases("fused_adam"))
 @example(case=_case("fused_adam", [_p([2, 3], "bfloat16", layout="transposed"), _p([], grad="nan")],
                     {**FUSED, "master_weights": True}))
@@ -183,8 +190,15 @@ def test_fused_adam_matches_torch_fused_adamw(case):
     _assert_documented(case)
 
 
+def _with_grads(case: dict) -> dict:
+    """Every param trainable and given a grad (TE refuses a dtype at the step of a param with a grad)."""
+    for spec in case["params"]:
+        spec.update(frozen=False, grad="normal" if spec["grad"] in ("none", "other_dtype") else spec["grad"])
+    return case
+
+
 @profile(15)
-@given(case=cases("fused_adam", dtypes=["float64", "complex64"]))
+@given(case=cases("fused_adam", dtypes=["float64", "complex64"]).map(_with_grads))
 @example(case=_case("fused_adam", [_p([2], "complex64")], FUSED))
 @example(case=_case("fused_adam", [_p([3], "float64"), _p([3], "float32")], FUSED))
 def test_fused_adam_refuses_float64_and_complex_params(case):
@@ -195,7 +209,7 @@ def test_fused_adam_refuses_float64_and_complex_params(case):
     _assert_documented(case)
 
 
-@profile(60)
+@profile(150)
 @given(case=cases("foreach"))
 @example(case=_case("foreach", [_p([3], "complex64"), _p([2, 3], "bfloat16", layout="transposed",
                                                        grad_layout="contiguous")],
@@ -220,7 +234,7 @@ def test_foreach_adamw_step_matches_torch_foreach_adam(case):
     _assert_documented(case)
 
 
-@profile(50)
+@profile(150)
 @given(case=cases("main_params"))
 @example(case=_case("main_params", [_p([2, 3], "bfloat16", layout="transposed"),
                                     _p([3], "float16", name="p1", grad="other_dtype", grad_dtype="float32"),
@@ -239,7 +253,9 @@ def test_foreach_adamw_step_matches_torch_foreach_adam(case):
 @example(case=_case("main_params", [_p([3], "bfloat16", layout="strided", grad="other_dtype",
                                        grad_dtype="float32"),
                                     _p([2, 3], name="p1", layout="transposed", grad="other_dtype",
-                                       grad_dtype="float32")],
+                                       grad_dtype="float32"),
+                                    _p([3, 2], name="p2", layout="transposed", grad="other_dtype",
+                                       grad_dtype="float32", grad_layout="contiguous")],
                     {**MAIN, "fused": True}, steps=1))
 @example(case=_case("main_params", [_p([3], "bfloat16")], {**MAIN, "add_group_after_wrap": True}))
 def test_main_params_matches_an_fp32_master_reference(case):
@@ -322,11 +338,13 @@ def _draw(strategy: st.SearchStrategy, count: int) -> list:
     return drawn
 
 
-def test_generated_cases_on_two_ranks_with_dtensors():
+def test_generated_cases_on_two_ranks_with_dtensors(tmp_path):
     batch = list(MULTIRANK_EXAMPLES)
-    for optimizer, count in (("fused_adam", 25), ("foreach", 25), ("main_params", 25)):
+    for optimizer, count in (("fused_adam", 50), ("foreach", 50), ("main_params", 50)):
         batch += _draw(cases(optimizer, two_ranks=True), count)
-    results = run_ranks("tests.multirank.generated_cases:case_batch", 2, args={"cases": batch},
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(batch))
+    results = run_ranks("tests.multirank.generated_cases:case_batch", 2, args={"cases_file": str(cases_file)},
                         timeout=240 * _SCALE)
     failures = [f"rank {rank}: {problem}\ncase: {case}"
                 for rank, problems in enumerate(results)

@@ -60,11 +60,13 @@ def expected(case: dict) -> tuple[str, Optional[str]]:
             return "refuse", "|".join(reasons)
         bad = [d for d in dtypes if d not in FUSED_ADAM_DTYPES]
         if bad:
-            # TE's FusedAdam refuses these (docs/te_fused_adam.md#12-constructor-errors, step-time
-            # errors), and so does our DTensor path. KNOWN BUG (issue 29): on plain tensors FusedAdam
-            # still computes (complex loses its imaginary part, float64 runs in float32); this
-            # expectation fails until the refusal is fixed, and must not be weakened.
-            return "refuse", rf"{bad[0]}|dtype"
+            # TE's FusedAdam refuses these params when they have a grad (docs/te_fused_adam.md
+            # #12-constructor-errors, step-time errors), and so does our DTensor path; the message
+            # names the dtype or the supported ones (TE: "FusedAdam only support fp16 and fp32.").
+            # KNOWN BUG (issue 29): on plain tensors FusedAdam still computes (complex loses its
+            # imaginary part, float64 runs in float32); this expectation fails until the refusal is
+            # fixed, and must not be weakened. (The strategies give such params a grad.)
+            return "refuse", "|".join(sorted(set(bad))) + "|only support"
         return "exact", None
     if kind == "foreach":
         reasons = [r for r in ("capturable", "differentiable") if opts.get(r)]
@@ -158,7 +160,7 @@ def grad_value(case: dict, index: int, step: int) -> Optional[torch.Tensor]:
 
 def _set_grad(p: torch.Tensor, grad: Optional[torch.Tensor], attr: str = "grad") -> None:
     if attr == "grad" and grad is not None and grad.dtype != p.dtype:
-        p.grad_dtype = None   # torch >= 2.10: a grad of another dtype must be allowed explicitly
+        p.grad_dtype = None   # newer torch (2.13): a grad of another dtype must be allowed explicitly
     setattr(p, attr, grad)
 
 
@@ -390,7 +392,7 @@ def run_main_params(case: dict, layout: Layout) -> None:
     for step in range(case["steps"]):
         for i, (p, m, s) in enumerate(zip(params, masters, specs)):
             g = grad_value(case, i, step)
-            gl = None if g is None else layout.make(g, s, s["layout"])
+            gl = None if g is None else layout.make(g, s, s.get("grad_layout", s["layout"]))
             if s["grad"] == "other_dtype":
                 _set_grad(p, None)
                 p.main_grad = gl   # the documented fp32 main-grad path (Megatron / hyper)
@@ -455,8 +457,13 @@ def check_case(case: dict, layout: Optional[Layout] = None) -> Optional[str]:
     return None
 
 
-def case_batch(rank: int, world: int, cases: list) -> list:
-    """Rank side: every case on torch DTensors over a 1-D mesh of all ranks; no collective per case."""
+def case_batch(rank: int, world: int, cases_file: str) -> list:
+    """Rank side: every case of ``cases_file`` (JSON; a batch outgrows an environment variable) on
+    torch DTensors over a 1-D mesh of all ranks; no collective per case."""
+    import json
+
     from torch.distributed.device_mesh import init_device_mesh
+    with open(cases_file) as fh:
+        cases = json.load(fh)
     layout = Layout(init_device_mesh("cpu", (world,)))
     return [check_case(case, layout) for case in cases]
