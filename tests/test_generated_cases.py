@@ -102,7 +102,9 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
         options = {"adam_w_mode": draw(st.booleans()), "master_weights": draw(st.booleans()),
                    "decoupled_grad": draw(st.booleans()),
                    # the constructor's refusals (docs/te_fused_adam.md#12-constructor-errors)
-                   "amsgrad": _rarely(draw), "maximize": _rarely(draw)}
+                   "amsgrad": _rarely(draw), "maximize": _rarely(draw),
+                   "exp_avg_dtype": draw(st.sampled_from(["float32", "bfloat16"])),
+                   "exp_avg_sq_dtype": draw(st.sampled_from(["float32", "bfloat16"]))}
         grad_kinds = ["normal", "normal", "none", "nan", "inf", "other_dtype"]
     elif optimizer == "foreach":
         dtypes = dtypes or ["float32", "bfloat16", "float16", "float64", "complex64"]

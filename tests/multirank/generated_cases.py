@@ -20,6 +20,8 @@ differ from the same values on plain tensors), where ours steps the local shards
 * ``FusedAdam``: ``torch.optim.AdamW(fused=True)`` (``Adam(fused=True)`` for ``adam_w_mode=False``) on an
   fp32 workspace: the fp32 param, the fp32 master (``master_weights``), or an fp32 copy of a bf16/fp16
   param rounded back after each step (docs/te_fused_adam.md#rfc-336-update-paths); grads cast to fp32;
+  bf16 moments rounded after each step (stored unscaled, docs/te_fused_adam.md#rfc-335-scaling; fp16
+  and fp8 moments carry a per-tensor scale and are left to tests/test_fused_adam.py's tolerances);
   contiguous, since torch's fused kernel pairs elements by memory position and ours steps any layout.
   Bit-exact: docs/design.md#41-te_fused_adam_dtensor (the same ``torch._fused_adamw_`` kernel).
 * ``foreach_adamw_step``: the same torch optimizer with ``foreach=True`` (``fused=True`` where the group
@@ -237,6 +239,8 @@ def run_fused_adam(case: dict, layout: Layout) -> None:
         extra["amsgrad"] = True
     if opts.get("maximize"):
         extra["maximize"] = True
+    moments = {key: opts.get(f"{key}_dtype", "float32") for key in ("exp_avg", "exp_avg_sq")}
+    extra.update({f"{key}_dtype": DTYPES[dt] for key, dt in moments.items() if dt != "float32"})
     attr = "decoupled_grad" if opts["decoupled_grad"] else "grad"
     opt = _build(FusedAdam, case, params, extra)
     if expected(case)[0] == "refuse":   # no reference: ours must raise, here or in step
@@ -259,6 +263,11 @@ def run_fused_adam(case: dict, layout: Layout) -> None:
             w.grad = None if g is None else layout.make_local(g.to(torch.float32), s, "contiguous")
         opt.step()
         ref.step()
+        with torch.no_grad():   # a bf16 moment is stored rounded after each step (no scale)
+            for key, dt in moments.items():
+                for st in (ref.state[w] for w in work if w in ref.state):
+                    if dt == "bfloat16":
+                        _local(st[key]).copy_(_local(st[key]).to(torch.bfloat16).float())
         if round_back:   # a bf16/fp16 param without master weights is its own fp32 copy each step
             with torch.no_grad():
                 for w, f in zip(work, fulls):
@@ -269,8 +278,8 @@ def run_fused_adam(case: dict, layout: Layout) -> None:
         _compare(name, p, _local(w).detach().to(f.dtype))
         if specs[i]["grad"] == "none" or s.get("frozen"):
             continue
-        for key in ("exp_avg", "exp_avg_sq"):
-            _compare(f"{name} {key}", opt.state[p][key], _local(ref.state[w][key]))
+        for key, dt in moments.items():
+            _compare(f"{name} {key}", opt.state[p][key], _local(ref.state[w][key]).to(DTYPES[dt]))
         if opts["master_weights"] and f.dtype != torch.float32:
             _compare(f"{name} master_param", opt.state[p]["master_param"], _local(w).detach())
 
