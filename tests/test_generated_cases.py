@@ -247,6 +247,9 @@ def test_foreach_adamw_step_matches_torch_foreach_adam(case):
                             {"lr": 0.1, "lr_tensor": True, "betas": [0.8, 0.9], "eps": 1e-6,
                              "weight_decay": 0.0}], add_param_group=True))
 @example(case=_case("main_params", [_p([3], "bfloat16"), _p([2], "float64", name="p1")], MAIN))
+@example(case=_case("main_params", [_p([], "float64", group=1), _p([], "complex64", name="p1")], MAIN,
+                    groups=[{"lr": 1e-3, "lr_tensor": False, "betas": [0.9, 0.999], "eps": 1e-8,
+                             "weight_decay": 0.0}] * 2))
 # a frozen float64 param the optimizer is not given is the model's own business (long profile)
 @example(case=_case("main_params", [_p([3], "bfloat16"), _p([], "float64", name="p1", frozen=True)], MAIN))
 # found by this file: a non-contiguous fp32 main_grad reached a fused leaf as is (fp32_grad's
@@ -320,6 +323,12 @@ MULTIRANK_EXAMPLES = [
     _case("foreach", [_p([3], "complex64", placement="S0"), _p([1, 5], "bfloat16", placement="S1", name="p1")],
           {**FOREACH, "amsgrad": True}),
     _case("foreach", [_p([7], "float16", placement="S0", grad="nan")], {**FOREACH, "fused": True}),
+    # found by the batch (reference design): torch's fused kernel rounds exp_avg_sq of a Shard(1) local
+    # differently from the full tensor's, so the reference runs on the local shards; torch's own
+    # AdamW(foreach=True) fails on a 0-dim complex Replicate DTensor and mis-steps a Shard(0) one
+    _case("fused_adam", [_p([5, 3], placement="S1", grad_scale=3)], {**FUSED, "adam_w_mode": False}),
+    _case("foreach", [_p([], "complex64", placement="R"), _p([3], "complex64", placement="S0", name="p1")],
+          FOREACH),
     _case("main_params", [_p([3, 1], "bfloat16", placement="S0"), _p([1], name="p1", placement="S0"),
                           _p([2, 3], "float16", name="p2", placement="S1", grad="other_dtype",
                              grad_dtype="float32")], {**MAIN, "foreach": True}),

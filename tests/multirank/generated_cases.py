@@ -78,7 +78,8 @@ def expected(case: dict) -> tuple[str, Optional[str]]:
     if kind == "main_params":
         bad = [p for p in case["params"] if p["dtype"] not in MAIN_PARAMS_DTYPES and in_optimizer(p)]
         if bad:
-            return "refuse", rf"{bad[0]['name']}.*{bad[0]['dtype']}"
+            # the first in group order is named: any of them may be
+            return "refuse", "|".join(f"'{p['name']}'.*{p['dtype']}" for p in bad)
         if opts.get("add_group_after_wrap"):
             return "refuse", r"before wrapping"
         return "exact", None
