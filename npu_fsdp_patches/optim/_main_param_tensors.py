@@ -36,20 +36,26 @@ def fp32_main_param(p: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(p.detach().to(copy=True, **_CONTIGUOUS_FP32), requires_grad=p.requires_grad)
 
 
-def fp32_grad(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` as a contiguous fp32 local shard with its DTensor layout kept; a contiguous fp32
-    grad is returned as is (no copy)."""
-    local = local_tensor(grad)
-    if grad.dtype == torch.float32 and local.is_contiguous():
+def fp32_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` as an fp32 local shard laid out like ``like`` (the main param it is for), with its
+    DTensor layout kept; an fp32 grad that already has that layout is returned as is (no copy).
+
+    The layout matters: torch's fused optimizer kernels pair param, grad and state elements by memory
+    position, so a grad strided unlike its param would be stepped against the wrong elements."""
+    local, target = local_tensor(grad), local_tensor(like)
+    if grad.dtype == torch.float32 and local.stride() == target.stride():
         return grad
-    cast = local.to(**_CONTIGUOUS_FP32)
+    if local.shape == target.shape:
+        cast = torch.empty_like(target, dtype=torch.float32)
+        cast.copy_(local)
+    else:   # a wrong shape is the leaf optimizer's to refuse; never broadcast it here
+        cast = local.to(**_CONTIGUOUS_FP32)
     if is_foreign_dtensor(grad):
         return type(grad).from_local(cast, grad.device_mesh, grad.placements)
     if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
         return type(grad).from_local(cast, grad.device_mesh, grad.placements,
                                      run_check=False, shape=grad.shape, stride=grad.stride())
     return cast
-
 
 
 def clear_grads(p: torch.Tensor, set_to_none: bool) -> None:

@@ -218,12 +218,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             grad = getattr(model_param, "main_grad", None)
             if grad is None:
                 grad = model_param.grad
-            main_param.grad = None if grad is None else fp32_grad(grad)
+            main_param.grad = None if grad is None else fp32_grad(grad, main_param)
             model_param.grad = None
         for p in self._fp32_params():
             main_grad = getattr(p, "main_grad", None)
             if main_grad is not None:
-                p.grad = fp32_grad(main_grad)
+                p.grad = fp32_grad(main_grad, p)
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
