@@ -7,11 +7,16 @@ the model params of all leaf optimizers' groups in leaf order. A bf16/fp16 param
 torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` map it to FQNs by identity like
 any optimizer, and DCP reshards it.
 
-Checkpoints of the earlier layout (state keyed by FQN, main params in a separate
-``_mixed_precision_optimizer.fp32_from_fp16_params`` section) are read too: :func:`upgrade_legacy`.
+It also carries hyper-parallel's RFC section ``_mixed_precision_optimizer.fp32_from_fp16_params``
+(``{fqn: main param}``, every bf16/fp16 param, ``{}`` for an fp32 model) holding the *same* tensor
+objects, so upstream's ``Float16OptimizerWithFloat16Params`` loads it (docs/main_params.md §2.1).
+torch's ``get_optimizer_state_dict`` keeps only ``state``/``param_groups``, so DCP writes each main
+param once; ``torch.save`` writes a shared storage once. Loading reads the section when present
+(:func:`merge_rfc_section`), in our layout, upstream's, or the earlier FQN layout (:func:`upgrade_legacy`).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -46,6 +51,43 @@ def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf) ->
             groups.append({**group, "params": [offset + i for i in group["params"]]})
         offset += len(mains)
     return {"state": state, "param_groups": groups}
+
+
+def rfc_section(mains_by_fqn: dict[str, torch.Tensor]) -> dict:
+    """``{MAIN_PARAMS_KEY: {fqn: main param}}``: the very tensors, no copy (+0 B)."""
+    return {MAIN_PARAMS_KEY: dict(mains_by_fqn)}
+
+
+def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable[str],
+                      owner: str) -> dict:
+    """``state_dict`` with its RFC section (if any) moved into the per-param state as
+    ``"main_param"``; the section wins over a per-param entry. Saved params map to ``fqns`` (ours, in
+    group order) by position in the saved param groups, as torch's ``load_state_dict`` does, so
+    state keyed by index (ours) or by FQN (upstream's, the earlier layout) both work. A section that
+    lacks any of the ``low_precision`` FQNs is refused, naming them, before anything is written."""
+    if MP_KEY not in state_dict:
+        return state_dict
+    section = state_dict[MP_KEY]
+    mains = section.get(MAIN_PARAMS_KEY) if isinstance(section, Mapping) else None
+    if not isinstance(mains, Mapping):
+        raise ValueError(f"{owner}.load_state_dict: {MP_KEY!r} must be a mapping holding "
+                         f"{MAIN_PARAMS_KEY!r}: {{fqn: fp32 main param}}; got {type(section).__name__}")
+    missing = sorted(f for f in low_precision if f not in mains)
+    if missing:
+        raise ValueError(
+            f"{owner}.load_state_dict: the {MP_KEY}.{MAIN_PARAMS_KEY} section lacks the fp32 main "
+            f"params of {len(missing)} bf16/fp16 param(s): {', '.join(missing)}. Refusing to load "
+            f"(nothing was written) rather than rebuilding them from the low-precision model params.")
+    rest = {k: v for k, v in state_dict.items() if k != MP_KEY}
+    groups = rest.get("param_groups")
+    keys = [k for g in groups for k in g["params"]] if isinstance(groups, list) else []
+    if len(keys) != len(fqns):
+        return rest   # split_by_leaf names the structural mismatch
+    state = {key: dict(value) for key, value in rest.get("state", {}).items()}
+    for key, fqn in zip(keys, fqns):
+        if fqn in mains:
+            state.setdefault(key, {})[MAIN_PARAM] = mains[fqn]
+    return rest | {"state": state}
 
 
 def upgrade_legacy(state_dict: dict) -> dict:
@@ -100,7 +142,8 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 saved_main = None   # torch's unflattening rebuilds a key the flat dict lacks as {}
             if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
                 saved_mains[model_of(main)] = saved_main
-            state[index] = param_state
+            if param_state:   # a section entry of a param the leaf has no state for yet adds none
+                state[index] = param_state
         natives.append({"state": state, "param_groups": groups})
     return natives, saved_mains
 
