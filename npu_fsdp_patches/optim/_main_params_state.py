@@ -58,6 +58,29 @@ def rfc_section(mains_by_fqn: dict[str, torch.Tensor]) -> dict:
     return {MAIN_PARAMS_KEY: dict(mains_by_fqn)}
 
 
+def unflatten(state_dict: dict, group_fqns: list[list[str]]) -> dict:
+    """A state dict in torch's flattened layout (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``,
+    as upstream's ``ChainedOptimizer(flatten=True)`` saves Muon + AdamW) rebuilt nested over our
+    groups' FQNs; any other layout is returned as is. State and group keys hold no dot, so
+    ``state.a.b.exp_avg`` belongs to ``a.b``, never to ``a``."""
+    if "state" in state_dict or "param_groups" in state_dict or not any(
+            isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in state_dict):
+        return state_dict
+
+    def entries(kind: str, fqn: str) -> dict:
+        prefix = f"{kind}.{fqn}."
+        return {k[len(prefix):]: v for k, v in state_dict.items()
+                if isinstance(k, str) and k.startswith(prefix) and "." not in k[len(prefix):]}
+
+    fqns = [f for group in group_fqns for f in group]
+    state = {f: entries("state", f) for f in fqns}
+    groups = [{**(entries("param_groups", group[0]) if group else {}), "params": list(group)}
+              for group in group_fqns]
+    rest = {k: v for k, v in state_dict.items()
+            if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))}
+    return rest | {"state": {f: v for f, v in state.items() if v}, "param_groups": groups}
+
+
 def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable[str],
                       owner: str) -> dict:
     """``state_dict`` with its RFC section (if any) moved into the per-param state as

@@ -36,7 +36,8 @@ from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefault
 from ._main_param_tensors import clear_grads, fp32_grad
 from ._main_params_build import check_params, leaf_optimizers, reset_param_caches, swap_in_main_params, undo_swaps
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, merge_rfc_section,
-                                 native_state_dict, raise_partial_main_params, rfc_section, split_by_leaf)
+                                 native_state_dict, raise_partial_main_params, rfc_section, split_by_leaf,
+                                 unflatten)
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
 from .tensors import is_foreign_dtensor, local_tensor, local_tensors
 
@@ -304,13 +305,15 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
         return state_dict
 
-    def _fqns_in_group_order(self) -> list[str]:
-        return [self.fqn(main) for main in self._main_params()]
+    def _group_fqns(self) -> list[list[str]]:
+        return [[self.fqn(main) for main in group["params"]]
+                for leaf in self.leaf_optimizers for group in leaf.param_groups]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this wrapper, of a plain optimizer over the same model params, or
-        of hyper-parallel's ``Float16OptimizerWithFloat16Params`` (FQN layout with a
-        ``_mixed_precision_optimizer`` section, also our earlier layout).
+        of hyper-parallel's ``Float16OptimizerWithFloat16Params`` (FQN layout, nested or flattened as
+        its ``ChainedOptimizer(flatten=True)`` saves, with a ``_mixed_precision_optimizer`` section;
+        also our earlier layout).
 
         Saved main params are restored exactly (docs/main_params.md). A state without them (a
         plain optimizer's) rebuilds the main params from the model params, with a warning; one
@@ -320,7 +323,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict) -> None:
         owner = type(self).__name__
-        merged = merge_rfc_section(state_dict, self._fqns_in_group_order(),
+        groups = self._group_fqns()
+        merged = merge_rfc_section(unflatten(state_dict, groups), [f for g in groups for f in g],
                                    self.main_params_by_fqn(), owner)
         natives, saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner)
         missing = [self.fqn(model) for model, main in saved.items() if main is None]

@@ -22,7 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from npu_fsdp_patches.optim import MainParamsOptimizer, apply_model_init_dtype
-from tests.multirank.main_params_cases import VOCAB, TinyLM, batch, full
+from npu_fsdp_patches.optim.muon_routing import OptimizerChain, split_muon_adamw_params
+from tests.multirank.main_params_cases import HAS_MUON, MUON, VOCAB, TinyLM, batch, full
 from tests.support import bit_mismatches
 
 BF16 = torch.bfloat16
@@ -61,8 +62,26 @@ def upstream(world, dtype=BF16):
     return model, up.Float16OptimizerWithFloat16Params(chain, model)
 
 
-def leaf_of(opt):
-    return opt.leaf_optimizers[0] if isinstance(opt, MainParamsOptimizer) else opt.chained_optimizers[0]
+def muon_adamw(model):
+    """Muon + AdamW by the routing rule (upstream's builders route the same way)."""
+    muon, adamw = split_muon_adamw_params(model.named_parameters())
+    return {"adamw": torch.optim.AdamW(adamw, **ADAMW), "muon": torch.optim.Muon(muon, **MUON)}
+
+
+def ours_chain(world):
+    model = sharded_model(world)
+    return model, MainParamsOptimizer(OptimizerChain(muon_adamw(model)), model)
+
+
+def upstream_chain(world):
+    """Muon + AdamW behind upstream's wrapper; its ChainedOptimizer flattens (multi-optimizer)."""
+    up = upstream_module()
+    model = sharded_model(world)
+    return model, up.Float16OptimizerWithFloat16Params(up.ChainedOptimizer(model, muon_adamw(model), flatten=True), model)
+
+
+def leaves_of(opt):
+    return opt.leaf_optimizers if isinstance(opt, MainParamsOptimizer) else opt.chained_optimizers
 
 
 def train(model, opt, i, rank, world):
@@ -76,13 +95,14 @@ def train(model, opt, i, rank, world):
 
 def snapshot(model, opt):
     """{fqn: {"param", "main", AdamW state...}}: full tensors (a collective: every rank calls it)."""
-    leaf, out = leaf_of(opt), {}
+    out = {}
     for name, p in model.named_parameters():
         main = p.main_param
         entry = {"param": full(p), "main": full(main)}
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            if key in leaf.state.get(main, {}):
-                entry[key] = full(leaf.state[main][key])
+        state = next((leaf.state[main] for leaf in leaves_of(opt) if main in leaf.state), {})
+        for key in ("step", "exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if key in state:
+                entry[key] = full(state[key])
         out[name] = entry
     return out
 
@@ -110,10 +130,10 @@ class _Fallbacks(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def load_into_upstream(sd, src_model, world):
+def load_into_upstream(sd, src_model, world, build=upstream):
     """A fresh upstream wrapper over a model loaded from ``src_model``, then ``sd``; returns it and
     the fallback warnings it logged."""
-    model, opt = upstream(world)
+    model, opt = build(world)
     model.load_state_dict(src_model.state_dict())
     handler = _Fallbacks()
     log = logging.getLogger("hyper_parallel.components.optim.mixed_precision_optimizer")
@@ -125,8 +145,8 @@ def load_into_upstream(sd, src_model, world):
     return model, opt, handler.messages
 
 
-def load_into_ours(sd, src_model, world):
-    model, opt = ours(world)
+def load_into_ours(sd, src_model, world, build=ours):
+    model, opt = build(world)
     model.load_state_dict(src_model.state_dict())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -139,6 +159,15 @@ def per_rank_file(sd, tmp, name, rank):
     path = os.path.join(tmp, f"{name}_rank{rank}.pt")
     torch.save(sd, path)
     return torch.load(path, weights_only=False), os.path.getsize(path)
+
+
+def one_ulp_off(snap):
+    """Negative control: ``snap`` with one element of one main param moved by one ulp."""
+    out = {name: dict(entry) for name, entry in snap.items()}
+    main = out["proj1.weight"]["main"].clone()
+    main.view(-1)[3] = torch.nextafter(main.view(-1)[3], torch.tensor(float("inf")))
+    out["proj1.weight"]["main"] = main
+    return out
 
 
 def has_tails(snap):
@@ -174,8 +203,10 @@ def interchange(build_src, load, rank, world, tmp, where):
     for how, loaded in (("memory", sd), ("torch.save", from_file)):
         model, opt, fallbacks = load(loaded, src_model, world)
         assert not fallbacks, f"{where} ({how}): fell back to the model params: {fallbacks}"
-        bad = differences(saved, snapshot(model, opt))
+        loaded_snap = snapshot(model, opt)
+        bad = differences(saved, loaded_snap)
         assert not bad, f"{where} ({how}): loaded state differs: {bad}"
+        assert differences(saved, one_ulp_off(loaded_snap)) == {"proj1.weight.main": 1}, "control"
         twin_model, twin = trained(build_src, rank, world)
         check_next_step(twin_model, twin, model, opt, 2, rank, world, f"{where} ({how})")
     return "ok"
@@ -187,6 +218,14 @@ def ours_to_upstream(rank, world, tmp):
 
 def upstream_to_ours(rank, world, tmp):
     return interchange(upstream, load_into_ours, rank, world, tmp, "upstream -> ours")
+
+
+def upstream_chain_to_ours(rank, world, tmp):
+    """Upstream's Muon + AdamW state (flattened FQN layout) into ours over the same chain."""
+    if not HAS_MUON:
+        return "skipped: torch.optim.Muon needs torch >= 2.9"
+    load = lambda sd, src, w: load_into_ours(sd, src, w, build=ours_chain)   # noqa: E731
+    return interchange(upstream_chain, load, rank, world, tmp, "upstream(muon+adamw) -> ours")
 
 
 def rfc_state_dict(rank, world, tmp):
@@ -242,7 +281,7 @@ def two_ranks(rank, world, tmp):
     every rank, so one failing case does not desynchronize the collectives of the next)."""
     out = {}
     for name, case in (("rfc", rfc_state_dict), ("ours_to_upstream", ours_to_upstream),
-                       ("upstream_to_ours", upstream_to_ours)):
+                       ("upstream_to_ours", upstream_to_ours), ("upstream_chain_to_ours", upstream_chain_to_ours)):
         try:
             out[name] = case(rank, world, tmp)
         except Exception as exc:   # noqa: BLE001 - reported by the test of that case
