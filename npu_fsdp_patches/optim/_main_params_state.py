@@ -35,16 +35,17 @@ def _leaf_params(leaf: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in leaf.param_groups for p in group["params"]]
 
 
-def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf) -> dict:
-    """The leaves' ``state_dict()``s merged and renumbered; ``"main_param"`` added where the
-    model param is not its own main param. State tensors are not copied."""
+def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf,
+                      with_main_param: bool = True) -> dict:
+    """The leaves' ``state_dict()``s merged and renumbered; ``"main_param"`` added (with
+    ``with_main_param``) where the model param is not its own main param. State tensors are not copied."""
     state, groups, offset = {}, [], 0
     for leaf in leaves:
         mains = _leaf_params(leaf)
         native = leaf.state_dict()
         for index, param_state in native["state"].items():
             main = mains[index]
-            if model_of(main) is not main:
+            if with_main_param and model_of(main) is not main:
                 param_state = {**param_state, MAIN_PARAM: main}
             state[offset + index] = param_state
         for group in native["param_groups"]:

@@ -297,11 +297,15 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout over the model params; a bf16/fp16 param's state adds ``"main_param"``,
         and ``_mixed_precision_optimizer.fp32_from_fp16_params`` maps every bf16/fp16 param's FQN to
-        the same main param (hyper-parallel's RFC layout; ``{}`` for an fp32 model)."""
+        the same main param (hyper-parallel's RFC layout; ``{}`` for an fp32 model). Over
+        hyper-parallel DTensors the section alone holds them (docs/main_params.md §2.1)."""
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
-        state_dict = native_state_dict(self.leaf_optimizers, self.model_param)
+        # hyper-parallel DTensors never reach torch's state-dict API (docs/main_params.md §2.1):
+        # their checkpointer stores this dict as is, so the section is their only copy
+        hyper = any(is_foreign_dtensor(p) for p in self._main_params())
+        state_dict = native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=not hyper)
         state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
         return state_dict
 

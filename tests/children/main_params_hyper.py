@@ -137,8 +137,9 @@ def run(adamw_kwargs):
     # in-memory state dict round trip, outside the context
     sd = ho.state_dict()
     names = [ho.fqn(q) for g in ho.param_groups for q in g["params"]]
-    section = {names[i]: s["main_param"] for i, s in sd["state"].items() if "main_param" in s}
-    out["sd_keys"] = [sorted(names[i] for i in sd["state"]), sorted(section)]
+    section = sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"]   # their only copy (hyper DTensors)
+    out["sd_keys"] = [sorted(names[i] for i in sd["state"]), sorted(section),
+                      sorted(names[i] for i, s in sd["state"].items() if "main_param" in s)]
     out["sd_section_is_mains"] = all(section[n] is getattr(hm, n).main_param for n in section)
     fresh, fo = build(True, {n: local_tensor(getattr(hm, n)).detach().clone() for n in SPECS}, adamw_kwargs)
     fo.load_state_dict(sd)
