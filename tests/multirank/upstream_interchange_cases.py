@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -228,6 +228,33 @@ def upstream_chain_to_ours(rank, world, tmp):
     return interchange(upstream_chain, load, rank, world, tmp, "upstream(muon+adamw) -> ours")
 
 
+def as_upstream_chain_state(model, opt):
+    """The recipe of docs/main_params.md §2.1 for upstream's multi-leaf wrapper: torch's flattened
+    FQN layout, each main param moved into the section."""
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    suffix = ".main_param"
+    mains = {k[len("state."):-len(suffix)]: osd.pop(k) for k in list(osd) if k.endswith(suffix)}
+    return {**osd, SECTION: {MAINS: mains}}
+
+
+def ours_chain_to_upstream_chain(rank, world, tmp):
+    """Ours over Muon + AdamW -> upstream's Muon + AdamW wrapper, through the recipe."""
+    if not HAS_MUON:
+        return "skipped: torch.optim.Muon needs torch >= 2.9"
+    src_model, src = trained(ours_chain, rank, world)
+    saved = snapshot(src_model, src)
+    sd = as_upstream_chain_state(src_model, src)
+    from_file = per_rank_file(sd, tmp, "recipe", rank)[0]
+    for how, loaded in (("memory", sd), ("torch.save", from_file)):
+        model, opt, fallbacks = load_into_upstream(loaded, src_model, world, build=upstream_chain)
+        assert not fallbacks, f"recipe ({how}): {fallbacks}"
+        bad = differences(saved, snapshot(model, opt))
+        assert not bad, f"recipe ({how}): loaded state differs: {bad}"
+        twin_model, twin = trained(ours_chain, rank, world)
+        check_next_step(twin_model, twin, model, opt, 2, rank, world, f"recipe ({how})")
+    return "ok"
+
+
 def rfc_state_dict(rank, world, tmp):
     """RFC §2.2-2.4 on ``state_dict()``, the single copy on disk, and the partial-section refusal."""
     model, opt = ours(world)
@@ -281,7 +308,8 @@ def two_ranks(rank, world, tmp):
     every rank, so one failing case does not desynchronize the collectives of the next)."""
     out = {}
     for name, case in (("rfc", rfc_state_dict), ("ours_to_upstream", ours_to_upstream),
-                       ("upstream_to_ours", upstream_to_ours), ("upstream_chain_to_ours", upstream_chain_to_ours)):
+                       ("upstream_to_ours", upstream_to_ours), ("upstream_chain_to_ours", upstream_chain_to_ours),
+                       ("ours_chain_to_upstream_chain", ours_chain_to_upstream_chain)):
         try:
             out[name] = case(rank, world, tmp)
         except Exception as exc:   # noqa: BLE001 - reported by the test of that case
