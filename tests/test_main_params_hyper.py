@@ -36,3 +36,16 @@ def test_main_params_on_hyper_dtensors(hyper_site):
         assert out["dcp_dir_empty"], where
         for message in out["dcp_errors"]:
             assert message is not None and "'w'" in message and "hyper_parallel" in message, message
+
+
+def test_two_leaves_over_hyper_dtensors_use_upstreams_flattened_layout(hyper_site):
+    """hyper-parallel's ChainedOptimizer flattens a multi-optimizer state (docs/main_params.md §2.1):
+    over hyper DTensors ours writes that layout, main params in the section only, and reads it back."""
+    out = run_case("tests.children.main_params_hyper:two_leaves", paths=[hyper_site], timeout=180)
+    assert out["nested"] is False
+    assert out["state_keys"] == [f"state.{n}.{k}" for n in ("b", "c", "u", "w")
+                                 for k in ("exp_avg", "exp_avg_sq", "step")], out["state_keys"]
+    assert out["group_lrs"] == {"param_groups.w.lr": 1e-4, "param_groups.b.lr": 1e-4,
+                                "param_groups.c.lr": 1e-4, "param_groups.u.lr": 1e-2}, out["group_lrs"]
+    assert out["section"] == ["b", "u", "w"]
+    assert out["mains_exact"] and out["moments_exact"]

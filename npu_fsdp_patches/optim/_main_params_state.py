@@ -54,16 +54,32 @@ def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf,
     return {"state": state, "param_groups": groups}
 
 
+def fqn_layout(native: dict, fqns: list[str], flatten: bool) -> dict:
+    """``native`` (index-keyed, from :func:`native_state_dict`) keyed by FQN, as hyper-parallel's
+    ``ChainedOptimizer.state_dict`` gives it: nested, or torch's flattened layout
+    (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``) with ``flatten``. Tensors are not copied."""
+    state = {fqns[i]: value for i, value in native["state"].items()}
+    groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in native["param_groups"]]
+    if not flatten:
+        return {"state": state, "param_groups": groups}
+    flat = {f"state.{fqn}.{k}": v for fqn, entry in state.items() for k, v in entry.items()}
+    for group in groups:
+        for fqn in group["params"]:
+            flat.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
+    return flat
+
+
 def rfc_section(mains_by_fqn: dict[str, torch.Tensor]) -> dict:
     """``{MAIN_PARAMS_KEY: {fqn: main param}}``: the very tensors, no copy (+0 B)."""
     return {MAIN_PARAMS_KEY: dict(mains_by_fqn)}
 
 
-def unflatten(state_dict: dict, group_fqns: list[list[str]]) -> dict:
+def unflatten(state_dict: dict, group_fqns: list[list[str]], current: list[dict]) -> dict:
     """A state dict in torch's flattened layout (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``,
     as upstream's ``ChainedOptimizer(flatten=True)`` saves Muon + AdamW) rebuilt nested over our
     groups' FQNs; any other layout is returned as is. State and group keys hold no dot, so
-    ``state.a.b.exp_avg`` belongs to ``a.b``, never to ``a``."""
+    ``state.a.b.exp_avg`` belongs to ``a.b``, never to ``a``. A group without params has no
+    flattened entries: it keeps its ``current`` settings."""
     if "state" in state_dict or "param_groups" in state_dict or not any(
             isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in state_dict):
         return state_dict
@@ -75,8 +91,9 @@ def unflatten(state_dict: dict, group_fqns: list[list[str]]) -> dict:
 
     fqns = [f for group in group_fqns for f in group]
     state = {f: entries("state", f) for f in fqns}
-    groups = [{**(entries("param_groups", group[0]) if group else {}), "params": list(group)}
-              for group in group_fqns]
+    groups = [{**({k: v for k, v in now.items() if k != "params"} if not group
+                  else entries("param_groups", group[0])), "params": list(group)}
+              for group, now in zip(group_fqns, current)]
     rest = {k: v for k, v in state_dict.items()
             if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))}
     return rest | {"state": {f: v for f, v in state.items() if v}, "param_groups": groups}

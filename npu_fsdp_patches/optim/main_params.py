@@ -36,8 +36,8 @@ from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefault
 from ._main_param_tensors import clear_grads, fp32_grad
 from ._main_params_build import check_params, leaf_optimizers, reset_param_caches, swap_in_main_params, undo_swaps
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, merge_rfc_section,
-                                 native_state_dict, raise_partial_main_params, rfc_section, split_by_leaf,
-                                 unflatten)
+                                 fqn_layout, native_state_dict, raise_partial_main_params, rfc_section,
+                                 split_by_leaf, unflatten)
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
 from .tensors import is_foreign_dtensor, local_tensor, local_tensors
 
@@ -298,14 +298,19 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         """torch's layout over the model params; a bf16/fp16 param's state adds ``"main_param"``,
         and ``_mixed_precision_optimizer.fp32_from_fp16_params`` maps every bf16/fp16 param's FQN to
         the same main param (hyper-parallel's RFC layout; ``{}`` for an fp32 model). Over
-        hyper-parallel DTensors the section alone holds them (docs/main_params.md §2.1)."""
+        hyper-parallel DTensors it is upstream's own layout: keyed by FQN (flattened over several
+        leaf optimizers, as hyper's ``ChainedOptimizer`` does), the section the main params' only
+        copy (docs/main_params.md §2.1)."""
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
-        # hyper-parallel DTensors never reach torch's state-dict API (docs/main_params.md §2.1):
-        # their checkpointer stores this dict as is, so the section is their only copy
-        hyper = any(is_foreign_dtensor(p) for p in self._main_params())
-        state_dict = native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=not hyper)
+        if not any(is_foreign_dtensor(p) for p in self._main_params()):
+            state_dict = native_state_dict(self.leaf_optimizers, self.model_param)
+        else:   # never reaches torch's API (docs/main_params.md §2.1): upstream's own layout
+            groups = self._group_fqns()
+            flatten = getattr(self.optimizer, "flatten", len(self.leaf_optimizers) > 1)
+            state_dict = fqn_layout(native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=False),
+                                    [f for g in groups for f in g], bool(flatten))
         state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
         return state_dict
 
@@ -328,7 +333,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict) -> None:
         owner = type(self).__name__
         groups = self._group_fqns()
-        merged = merge_rfc_section(unflatten(state_dict, groups), [f for g in groups for f in g],
+        current = [g for leaf in self.leaf_optimizers for g in leaf.param_groups]
+        merged = merge_rfc_section(unflatten(state_dict, groups, current), [f for g in groups for f in g],
                                    self.main_params_by_fqn(), owner)
         natives, saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner)
         missing = [self.fqn(model) for model, main in saved.items() if main is None]
