@@ -11,8 +11,11 @@ It also carries hyper-parallel's RFC section ``_mixed_precision_optimizer.fp32_f
 (``{fqn: main param}``, every bf16/fp16 param, ``{}`` for an fp32 model) holding the *same* tensor
 objects, so upstream's ``Float16OptimizerWithFloat16Params`` loads it (docs/main_params.md §2.1).
 torch's ``get_optimizer_state_dict`` keeps only ``state``/``param_groups``, so DCP writes each main
-param once; ``torch.save`` writes a shared storage once. Loading reads the section when present
-(:func:`merge_rfc_section`), in our layout, upstream's, or the earlier FQN layout (:func:`upgrade_legacy`).
+param once; ``torch.save`` writes a shared storage once. Over hyper-parallel DTensors, which never
+reach torch's API, :func:`fqn_layout` gives upstream's own layout instead (the section the only copy).
+Loading reads the section when present (:func:`merge_rfc_section`), with state keyed by index or by
+FQN, nested or flattened (:func:`unflatten`); :func:`upgrade_legacy` serves DCP checkpoints of the
+earlier layout.
 """
 from __future__ import annotations
 

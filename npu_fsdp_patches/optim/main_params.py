@@ -309,8 +309,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         else:   # never reaches torch's API (docs/main_params.md §2.1): upstream's own layout
             groups = self._group_fqns()
             flatten = getattr(self.optimizer, "flatten", len(self.leaf_optimizers) > 1)
-            state_dict = fqn_layout(native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=False),
-                                    [f for g in groups for f in g], bool(flatten))
+            native = native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=False)
+            state_dict = fqn_layout(native, [f for g in groups for f in g], bool(flatten))
         state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
         return state_dict
 
