@@ -67,8 +67,8 @@ def _build_optimizer(original):
 def _routes_to_dcp(trainer) -> bool:
     """Our DCP checkpoint for a wrapped optimizer over torch-DTensor/plain params. A model of hyper
     DTensors stays on the trainer's own (hyper) checkpointer, which serializes the wrapper's
-    ``state_dict`` (torch's layout, each main param under ``"main_param"``); torch DCP cannot shard
-    hyper DTensors."""
+    ``state_dict`` (main params in the RFC section, which upstream's wrapper reads too;
+    docs/main_params.md §2.1); torch DCP cannot shard hyper DTensors."""
     from npu_fsdp_patches.optim import MainParamsOptimizer
     from npu_fsdp_patches.optim.tensors import is_foreign_dtensor
     return (isinstance(trainer.optimizer, MainParamsOptimizer)

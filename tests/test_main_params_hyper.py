@@ -30,9 +30,22 @@ def test_main_params_on_hyper_dtensors(hyper_site):
         assert out["tails"] == {"w": True, "b": True}, f"{where}: main params hold bf16 values: {out['tails']}"
         assert out["small_lr_bf16_unmoved"] and out["large_lr_bf16_moved"], where
         assert out["ulp_caught_fp32"] and out["ulp_caught_bf16"], where
-        assert out["sd_keys"] == [["b", "c", "u", "w"], ["b", "u", "w"]], where
+        assert out["sd_keys"] == [["b", "c", "u", "w"], ["b", "u", "w"], []], where   # the section only
         assert out["sd_section_is_mains"] and out["loaded_mains_exact"], where
         assert out["after_load_mismatch"] == [], f"{where}: {out['after_load_mismatch']}"
         assert out["dcp_dir_empty"], where
         for message in out["dcp_errors"]:
             assert message is not None and "'w'" in message and "hyper_parallel" in message, message
+
+
+def test_two_leaves_over_hyper_dtensors_use_upstreams_flattened_layout(hyper_site):
+    """hyper-parallel's ChainedOptimizer flattens a multi-optimizer state (docs/main_params.md §2.1):
+    over hyper DTensors ours writes that layout, main params in the section only, and reads it back."""
+    out = run_case("tests.children.main_params_hyper:two_leaves", paths=[hyper_site], timeout=180)
+    assert out["nested"] is False
+    assert out["state_keys"] == [f"state.{n}.{k}" for n in ("b", "c", "u", "w")
+                                 for k in ("exp_avg", "exp_avg_sq", "step")], out["state_keys"]
+    assert out["group_lrs"] == {"param_groups.w.lr": 1e-4, "param_groups.b.lr": 1e-4,
+                                "param_groups.c.lr": 1e-4, "param_groups.u.lr": 1e-2}, out["group_lrs"]
+    assert out["section"] == ["b", "u", "w"]
+    assert out["mains_exact"] and out["moments_exact"]

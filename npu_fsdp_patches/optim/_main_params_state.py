@@ -7,11 +7,19 @@ the model params of all leaf optimizers' groups in leaf order. A bf16/fp16 param
 torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` map it to FQNs by identity like
 any optimizer, and DCP reshards it.
 
-Checkpoints of the earlier layout (state keyed by FQN, main params in a separate
-``_mixed_precision_optimizer.fp32_from_fp16_params`` section) are read too: :func:`upgrade_legacy`.
+It also carries hyper-parallel's RFC section ``_mixed_precision_optimizer.fp32_from_fp16_params``
+(``{fqn: main param}``, every bf16/fp16 param, ``{}`` for an fp32 model) holding the *same* tensor
+objects, so upstream's ``Float16OptimizerWithFloat16Params`` loads it (docs/main_params.md §2.1).
+torch's ``get_optimizer_state_dict`` keeps only ``state``/``param_groups``, so DCP writes each main
+param once; ``torch.save`` writes a shared storage once. Over hyper-parallel DTensors, which never
+reach torch's API, :func:`fqn_layout` gives upstream's own layout instead (the section the only copy).
+Loading reads the section when present (:func:`merge_rfc_section`), with state keyed by index or by
+FQN, nested or flattened (:func:`unflatten`); :func:`upgrade_legacy` serves DCP checkpoints of the
+earlier layout.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -30,22 +38,100 @@ def _leaf_params(leaf: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in leaf.param_groups for p in group["params"]]
 
 
-def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf) -> dict:
-    """The leaves' ``state_dict()``s merged and renumbered; ``"main_param"`` added where the
-    model param is not its own main param. State tensors are not copied."""
+def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf,
+                      with_main_param: bool = True) -> dict:
+    """The leaves' ``state_dict()``s merged and renumbered; ``"main_param"`` added (with
+    ``with_main_param``) where the model param is not its own main param. State tensors are not copied."""
     state, groups, offset = {}, [], 0
     for leaf in leaves:
         mains = _leaf_params(leaf)
         native = leaf.state_dict()
         for index, param_state in native["state"].items():
             main = mains[index]
-            if model_of(main) is not main:
+            if with_main_param and model_of(main) is not main:
                 param_state = {**param_state, MAIN_PARAM: main}
             state[offset + index] = param_state
         for group in native["param_groups"]:
             groups.append({**group, "params": [offset + i for i in group["params"]]})
         offset += len(mains)
     return {"state": state, "param_groups": groups}
+
+
+def fqn_layout(native: dict, fqns: list[str], flatten: bool) -> dict:
+    """``native`` (index-keyed, from :func:`native_state_dict`) keyed by FQN, as hyper-parallel's
+    ``ChainedOptimizer.state_dict`` gives it: nested, or torch's flattened layout
+    (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``) with ``flatten``. Tensors are not copied."""
+    state = {fqns[i]: value for i, value in native["state"].items()}
+    groups = [{**g, "params": [fqns[i] for i in g["params"]]} for g in native["param_groups"]]
+    if not flatten:
+        return {"state": state, "param_groups": groups}
+    flat = {f"state.{fqn}.{k}": v for fqn, entry in state.items() for k, v in entry.items()}
+    for group in groups:
+        for fqn in group["params"]:
+            flat.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
+    return flat
+
+
+def rfc_section(mains_by_fqn: dict[str, torch.Tensor]) -> dict:
+    """``{MAIN_PARAMS_KEY: {fqn: main param}}``: the very tensors, no copy (+0 B)."""
+    return {MAIN_PARAMS_KEY: dict(mains_by_fqn)}
+
+
+def unflatten(state_dict: dict, group_fqns: list[list[str]], current: list[dict]) -> dict:
+    """A state dict in torch's flattened layout (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``,
+    as upstream's ``ChainedOptimizer(flatten=True)`` saves Muon + AdamW) rebuilt nested over our
+    groups' FQNs; any other layout is returned as is. State and group keys hold no dot, so
+    ``state.a.b.exp_avg`` belongs to ``a.b``, never to ``a``. A group without params has no
+    flattened entries: it keeps its ``current`` settings."""
+    if "state" in state_dict or "param_groups" in state_dict or not any(
+            isinstance(k, str) and k.startswith(("state.", "param_groups.")) for k in state_dict):
+        return state_dict
+
+    def entries(kind: str, fqn: str) -> dict:
+        prefix = f"{kind}.{fqn}."
+        return {k[len(prefix):]: v for k, v in state_dict.items()
+                if isinstance(k, str) and k.startswith(prefix) and "." not in k[len(prefix):]}
+
+    fqns = [f for group in group_fqns for f in group]
+    state = {f: entries("state", f) for f in fqns}
+    groups = [{**({k: v for k, v in now.items() if k != "params"} if not group
+                  else entries("param_groups", group[0])), "params": list(group)}
+              for group, now in zip(group_fqns, current)]
+    rest = {k: v for k, v in state_dict.items()
+            if not (isinstance(k, str) and k.startswith(("state.", "param_groups.")))}
+    return rest | {"state": {f: v for f, v in state.items() if v}, "param_groups": groups}
+
+
+def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable[str],
+                      owner: str) -> dict:
+    """``state_dict`` with its RFC section (if any) moved into the per-param state as
+    ``"main_param"``; the section wins over a per-param entry. Saved params map to ``fqns`` (ours, in
+    group order) by position in the saved param groups, as torch's ``load_state_dict`` does, so
+    state keyed by index (ours) or by FQN (upstream's, the earlier layout) both work. A section that
+    lacks any of the ``low_precision`` FQNs is refused, naming them, before anything is written."""
+    if MP_KEY not in state_dict:
+        return state_dict
+    section = state_dict[MP_KEY]
+    mains = section.get(MAIN_PARAMS_KEY) if isinstance(section, Mapping) else None
+    if not isinstance(mains, Mapping):
+        raise ValueError(f"{owner}.load_state_dict: {MP_KEY!r} must be a mapping holding "
+                         f"{MAIN_PARAMS_KEY!r}: {{fqn: fp32 main param}}; got {type(section).__name__}")
+    missing = sorted(f for f in low_precision if f not in mains)
+    if missing:
+        raise ValueError(
+            f"{owner}.load_state_dict: the {MP_KEY}.{MAIN_PARAMS_KEY} section lacks the fp32 main "
+            f"params of {len(missing)} bf16/fp16 param(s): {', '.join(missing)}. Refusing to load "
+            f"(nothing was written) rather than rebuilding them from the low-precision model params.")
+    rest = {k: v for k, v in state_dict.items() if k != MP_KEY}
+    groups = rest.get("param_groups")
+    keys = [k for g in groups for k in g["params"]] if isinstance(groups, list) else []
+    if len(keys) != len(fqns):
+        return rest   # split_by_leaf names the structural mismatch
+    state = {key: dict(value) for key, value in rest.get("state", {}).items()}
+    for key, fqn in zip(keys, fqns):
+        if fqn in mains:
+            state.setdefault(key, {})[MAIN_PARAM] = mains[fqn]
+    return rest | {"state": state}
 
 
 def upgrade_legacy(state_dict: dict) -> dict:
@@ -100,7 +186,8 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 saved_main = None   # torch's unflattening rebuilds a key the flat dict lacks as {}
             if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
                 saved_mains[model_of(main)] = saved_main
-            state[index] = param_state
+            if param_state:   # a section entry of a param the leaf has no state for yet adds none
+                state[index] = param_state
         natives.append({"state": state, "param_groups": groups})
     return natives, saved_mains
 

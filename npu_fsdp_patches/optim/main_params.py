@@ -35,8 +35,9 @@ from torch import nn
 from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_param_tensors import clear_grads, fp32_grad
 from ._main_params_build import check_params, leaf_optimizers, reset_param_caches, swap_in_main_params, undo_swaps
-from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, native_state_dict,
-                                 raise_partial_main_params, split_by_leaf, upgrade_legacy)
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, merge_rfc_section,
+                                 fqn_layout, native_state_dict, raise_partial_main_params, rfc_section,
+                                 split_by_leaf, unflatten)
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
 from .tensors import is_foreign_dtensor, local_tensor, local_tensors
 
@@ -294,15 +295,34 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return {self.fqn(model): main for model, main in self._low_precision_pairs()}
 
     def state_dict(self) -> dict:
-        """torch's layout over the model params; a bf16/fp16 param's state adds ``"main_param"``."""
+        """torch's layout over the model params; a bf16/fp16 param's state adds ``"main_param"``,
+        and ``_mixed_precision_optimizer.fp32_from_fp16_params`` maps every bf16/fp16 param's FQN to
+        the same main param (hyper-parallel's RFC layout; ``{}`` for an fp32 model). Over
+        hyper-parallel DTensors it is upstream's own layout: keyed by FQN (flattened over several
+        leaf optimizers, as hyper's ``ChainedOptimizer`` does), the section the main params' only
+        copy (docs/main_params.md §2.1)."""
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
-        return native_state_dict(self.leaf_optimizers, self.model_param)
+        if not any(is_foreign_dtensor(p) for p in self._main_params()):
+            state_dict = native_state_dict(self.leaf_optimizers, self.model_param)
+        else:   # never reaches torch's API (docs/main_params.md §2.1): upstream's own layout
+            groups = self._group_fqns()
+            flatten = getattr(self.optimizer, "flatten", len(self.leaf_optimizers) > 1)
+            native = native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=False)
+            state_dict = fqn_layout(native, [f for g in groups for f in g], bool(flatten))
+        state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
+        return state_dict
+
+    def _group_fqns(self) -> list[list[str]]:
+        return [[self.fqn(main) for main in group["params"]]
+                for leaf in self.leaf_optimizers for group in leaf.param_groups]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this wrapper, of a plain optimizer over the same model params, or
-        of the earlier FQN layout with a ``_mixed_precision_optimizer`` section.
+        of hyper-parallel's ``Float16OptimizerWithFloat16Params`` (FQN layout, nested or flattened as
+        its ``ChainedOptimizer(flatten=True)`` saves, with a ``_mixed_precision_optimizer`` section;
+        also our earlier layout).
 
         Saved main params are restored exactly (docs/main_params.md). A state without them (a
         plain optimizer's) rebuilds the main params from the model params, with a warning; one
@@ -311,8 +331,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         run_load_state_dict_hooks(self, state_dict, self._load_state_dict)
 
     def _load_state_dict(self, state_dict: dict) -> None:
-        natives, saved = split_by_leaf(self.leaf_optimizers, upgrade_legacy(state_dict),
-                                       self.model_param, type(self).__name__)
+        owner = type(self).__name__
+        groups = self._group_fqns()
+        current = [g for leaf in self.leaf_optimizers for g in leaf.param_groups]
+        merged = merge_rfc_section(unflatten(state_dict, groups, current), [f for g in groups for f in g],
+                                   self.main_params_by_fqn(), owner)
+        natives, saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner)
         missing = [self.fqn(model) for model, main in saved.items() if main is None]
         if missing and len(missing) < len(saved):
             raise_partial_main_params(missing)

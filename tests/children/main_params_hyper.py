@@ -136,9 +136,9 @@ def run(adamw_kwargs):
 
     # in-memory state dict round trip, outside the context
     sd = ho.state_dict()
-    names = [ho.fqn(q) for g in ho.param_groups for q in g["params"]]
-    section = {names[i]: s["main_param"] for i, s in sd["state"].items() if "main_param" in s}
-    out["sd_keys"] = [sorted(names[i] for i in sd["state"]), sorted(section)]
+    section = sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"]   # their only copy (hyper DTensors)
+    out["sd_keys"] = [sorted(sd["state"]), sorted(section),   # keyed by FQN, as upstream's wrapper
+                      sorted(n for n, s in sd["state"].items() if "main_param" in s)]
     out["sd_section_is_mains"] = all(section[n] is getattr(hm, n).main_param for n in section)
     fresh, fo = build(True, {n: local_tensor(getattr(hm, n)).detach().clone() for n in SPECS}, adamw_kwargs)
     fo.load_state_dict(sd)
@@ -167,3 +167,31 @@ def run(adamw_kwargs):
 def variants() -> dict:
     """Both AdamW variants: the default foreach choice and foreach=True."""
     return {"foreach_default": run({}), "foreach_true": run({"foreach": True})}
+
+
+def two_leaves() -> dict:
+    """Over two leaf optimizers a hyper-DTensor wrapper's state dict is upstream's multi-optimizer layout
+    (flattened by FQN, main params in the section only) and loads back exactly."""
+    def build2(values):
+        model = nn.Module()
+        for name, (value, placements) in SPECS.items():
+            setattr(model, name, hyper_param(values.get(name, value), placements))
+        leaves = {"first": torch.optim.AdamW([model.w, model.b, model.c], lr=1e-4),
+                  "second": torch.optim.AdamW([model.u], lr=1e-2)}
+        return model, MainParamsOptimizer(leaves, model)
+
+    model, opt = build2({})
+    for step in range(2):
+        set_grads(model, True, step)
+        with hp.SkipDTensorDispatch():
+            opt.step()
+    sd = opt.state_dict()
+    fresh, fo = build2({n: local_tensor(getattr(model, n)).detach().clone() for n in SPECS})
+    fo.load_state_dict(sd)
+    moments = all(same(fo.state[getattr(fresh, n)][k], opt.state[getattr(model, n)][k])
+                  for n in SPECS for k in ("exp_avg", "exp_avg_sq"))
+    return {"nested": "state" in sd, "state_keys": sorted(k for k in sd if k.startswith("state.")),
+            "group_lrs": {k: v for k, v in sd.items() if k.endswith(".lr")},
+            "section": sorted(sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"]),
+            "mains_exact": all(same(getattr(fresh, n).main_param, getattr(model, n).main_param) for n in SPECS),
+            "moments_exact": moments}
