@@ -17,6 +17,13 @@ of the new one, docs/hyper_parallel.md#11-generations) and a param is a hyper DT
 ``npu_fsdp_patches.optim.foreach_adamw.adam_on_local_shards``: torch's own ``adam`` on the
 ``to_local()`` shards with foreach/fused resolved as torch resolves them for its own DTensor. Any
 other call, capturable/differentiable ones included, goes to the original untouched.
+
+Under ``torch.compile`` (dynamo tracing, ``torch.compiler.is_compiling()``) every call goes to the
+original, and the ContextVar is never read: dynamo cannot trace ``ContextVar.get``, and the graph break it
+caused made a compiled ``AdamW(foreach=True).step`` raise and changed the other paths' graphs. A compiled
+step is then exactly the unpatched compiled step; hyper's own DTensor does not compile either (its
+``__torch_function__`` reads the same ContextVar per op), so there is nothing to route
+(docs/torch_adam.md#9-compiled-steps).
 """
 from __future__ import annotations
 
@@ -47,12 +54,20 @@ def _foreach_types() -> list:
     return getattr(module, REGISTRY_NAME, [])
 
 
+def _compiling_probe():
+    """torch's ``is_compiling``, looked up once when the patch is applied (torch is loaded then): dynamo
+    folds a call to it to a constant, where a ``sys.modules`` lookup inside the step would be traced."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    return getattr(compiler, "is_compiling", None) or (lambda: False)
+
+
 def routed_adam(original):
     """Wrap torch's functional ``adam`` (or torch 2.6's ``adamw``) so hyper-DTensor steps under SkipDTensorDispatch go local."""
     signature = inspect.signature(original)
+    is_compiling = _compiling_probe()
 
     def adam(*args, **kwargs):
-        if not skip_dispatch_active():
+        if is_compiling() or not skip_dispatch_active():
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
