@@ -11,12 +11,16 @@ unpatched *compiled* run: compiled steps are not bit-equal to eager ones (docs/t
 Coverage (child code: tests/children/compiled_adam.py; fp32 and bf16 params, so two dtype groups):
 * plain tensors, ``aot_eager``: Adam and AdamW, each implementation (default, foreach=True, fused=True,
   foreach=False), and AdamW default/foreach with the compiled step called inside SkipDTensorDispatch;
-* plain tensors, the default inductor backend: a representative subset (AdamW in all four, Adam
-  foreach), because inductor's C++ compile on CPU costs seconds per graph; on CPU default and foreach=False
-  are the same single-tensor graph, and fused=True is ``torch.compiler.disable``d by torch (no graph);
-* 2-rank torch DTensors (gloo, CPU, uneven Shard(0) shards), ``aot_eager``: AdamW in all four, Adam foreach;
+* plain tensors, the default inductor backend: a representative subset, AdamW default, foreach=True and
+  foreach=False, because inductor's C++ compile on CPU costs seconds per graph. fused=True is left out:
+  torch ``torch.compiler.disable``s ``_fused_adam``, so no graph reaches a backend and the ``aot_eager``
+  case already covers it. Adam is left out: it runs the same wrapper and kernels as AdamW, which
+  ``aot_eager`` covers for both;
+* 2-rank torch DTensors (gloo, CPU, uneven Shard(0) shards), ``aot_eager``: AdamW in all four;
 * the old hyper generation (module-global switch), ``aot_eager``: AdamW default and foreach.
-The patched/unpatched launches of one environment run concurrently to keep the file short.
+The patched/unpatched launches of one environment run concurrently to keep the file short. Measured on
+the 2-core development machine while shared with other jobs (load average 9-12): 101 s CPU in all
+processes, 220 s wall (torch 2.13.0 CPU).
 """
 from __future__ import annotations
 
@@ -33,14 +37,19 @@ ON = {"NPU_FSDP_PATCHES_ENABLE": "hp_fp32_main_params"}
 IMPLS = ("default", "foreach", "fused", "single")
 PLAIN_RUNS = ([[cls, impl, "aot_eager", False] for cls in ("Adam", "AdamW") for impl in IMPLS]
               + [["AdamW", impl, "aot_eager", True] for impl in ("default", "foreach")]
-              + [["AdamW", impl, "inductor", False] for impl in IMPLS] + [["Adam", "foreach", "inductor", False]])
-DTENSOR_RUNS = [["AdamW", impl, "aot_eager", False] for impl in IMPLS] + [["Adam", "foreach", "aot_eager", False]]
+              + [["AdamW", impl, "inductor", False] for impl in ("default", "foreach", "single")])
+DTENSOR_RUNS = [["AdamW", impl, "aot_eager", False] for impl in IMPLS]
 OLD_RUNS = [["AdamW", impl, "aot_eager", False] for impl in ("default", "foreach")]
 
 
 def _key(run: list) -> str:
     cls, impl, backend, under_skip = run
     return f"{cls}/{impl}/{backend}" + ("/skip" if under_skip else "")
+
+
+def _torch(launches: dict) -> str:
+    off = launches["off"]
+    return (off[0] if isinstance(off, list) else off)["environment"]["torch"]
 
 
 def _both(launch) -> dict:
@@ -96,7 +105,15 @@ def mismatches(a: list, b: list) -> tuple[int, str]:
     return count, first
 
 
-def assert_same_compiled_run(off: dict, on: dict, key: str) -> None:
+def _release(version: str) -> tuple:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def assert_same_compiled_run(off: dict, on: dict, key: str, torch_version: str) -> None:
+    """``on`` is ``off``: no error, the same bits, graph breaks, graphs and ops. On a torch older than the
+    README's 2.13 whose own compiled step raises, the case is skipped naming that error."""
+    if "error" in off and _release(torch_version) < (2, 13):
+        pytest.skip(f"torch {torch_version}: the unpatched compiled step raises too: {off['error'][:300]}")
     assert "error" not in off, f"{key} unpatched: {off['error']}"
     assert "error" not in on, f"{key} patched raises where unpatched does not: {on['error']}"
     count, first = mismatches(off["bits"], on["bits"])
@@ -122,18 +139,19 @@ def test_environments_are_what_training_sees(plain, dtensor, old_generation):
 
 @pytest.mark.parametrize("key", [_key(r) for r in PLAIN_RUNS])
 def test_plain_tensors_compile_as_unpatched(plain, key):
-    assert_same_compiled_run(plain["off"][key], plain["on"][key], key)
+    assert_same_compiled_run(plain["off"][key], plain["on"][key], key, _torch(plain))
 
 
 @pytest.mark.parametrize("key", [_key(r) for r in DTENSOR_RUNS])
 def test_two_rank_dtensors_compile_as_unpatched(dtensor, key):
     for rank in (0, 1):
-        assert_same_compiled_run(dtensor["off"][rank][key], dtensor["on"][rank][key], f"rank {rank} {key}")
+        assert_same_compiled_run(dtensor["off"][rank][key], dtensor["on"][rank][key], f"rank {rank} {key}",
+                                 _torch(dtensor))
 
 
 @pytest.mark.parametrize("key", [_key(r) for r in OLD_RUNS])
 def test_old_generation_compiles_as_unpatched(old_generation, key):
-    assert_same_compiled_run(old_generation["off"][key], old_generation["on"][key], key)
+    assert_same_compiled_run(old_generation["off"][key], old_generation["on"][key], key, _torch(old_generation))
 
 
 def test_runs_are_real_steps(plain):
@@ -156,4 +174,4 @@ def test_the_comparer_catches_one_ulp(plain):
     assert mismatches(bits, nudged)[0] == 1
     with pytest.raises(AssertionError, match="1 elements differ"):
         assert_same_compiled_run(plain["off"]["AdamW/foreach/inductor"],
-                                 {**plain["off"]["AdamW/foreach/inductor"], "bits": nudged}, "control")
+                                 {**plain["off"]["AdamW/foreach/inductor"], "bits": nudged}, "control", _torch(plain))

@@ -35,9 +35,10 @@ def _bits(t) -> list:
 
 def _environment() -> dict:
     """Which patches are applied, and that hyper's dispatch module is loaded as in training."""
+    import torch
     import torch.optim.adam as adam_module
     import npu_fsdp_patches
-    return {"applied": sorted(r["name"] for r in npu_fsdp_patches.status() if r["state"] == "applied"),
+    return {"torch": torch.__version__, "applied": sorted(r["name"] for r in npu_fsdp_patches.status() if r["state"] == "applied"),
             "adam_wrapped": hasattr(adam_module.adam, "__npu_fsdp_patch__"),
             "dispatch_loaded": DISPATCH_MODULE in sys.modules,
             "dispatch_is_contextvar": type(getattr(sys.modules[DISPATCH_MODULE], "_dtensor_dispatch_disabled", None)
