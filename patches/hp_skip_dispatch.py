@@ -54,20 +54,22 @@ def _foreach_types() -> list:
     return getattr(module, REGISTRY_NAME, [])
 
 
-def _compiling_probe():
-    """torch's ``is_compiling``, looked up once when the patch is applied (torch is loaded then): dynamo
-    folds a call to it to a constant, where a ``sys.modules`` lookup inside the step would be traced."""
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    return getattr(compiler, "is_compiling", None) or (lambda: False)
+def compiling() -> bool:
+    """True while dynamo traces the calling step (or ``torch.export`` runs it); dynamo folds it to a constant.
+
+    Looked up at call time: the patch may be applied while ``import torch`` still runs (the plugin imported
+    first), before ``torch.compiler`` exists. Only torch's optimizers call the wrapper, so torch is loaded.
+    """
+    import torch.compiler  # pylint: disable=C0415 - the plugin's import path stays torch-free
+    return torch.compiler.is_compiling()
 
 
 def routed_adam(original):
     """Wrap torch's functional ``adam`` (or torch 2.6's ``adamw``) so hyper-DTensor steps under SkipDTensorDispatch go local."""
     signature = inspect.signature(original)
-    is_compiling = _compiling_probe()
 
     def adam(*args, **kwargs):
-        if is_compiling() or not skip_dispatch_active():
+        if compiling() or not skip_dispatch_active():
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()

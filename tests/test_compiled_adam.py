@@ -17,10 +17,12 @@ Coverage (child code: tests/children/compiled_adam.py; fp32 and bf16 params, so 
   case already covers it. Adam is left out: it runs the same wrapper and kernels as AdamW, which
   ``aot_eager`` covers for both;
 * 2-rank torch DTensors (gloo, CPU, uneven Shard(0) shards), ``aot_eager``: AdamW in all four;
-* the old hyper generation (module-global switch), ``aot_eager``: AdamW default and foreach.
-The patched/unpatched launches of one environment run concurrently to keep the file short. Measured on
-the 2-core development machine while shared with other jobs (load average 9-12): 101 s CPU in all
-processes, 220 s wall (torch 2.13.0 CPU).
+* the old hyper generation (module-global switch), ``aot_eager``: AdamW default and foreach;
+* the plugin imported before torch (its post-import hooks apply the patch while ``import torch`` runs,
+  before ``torch.compiler`` exists), ``aot_eager``: AdamW default and foreach, foreach also under skip.
+The launches run concurrently, at most 4 at a time, to keep the file short. Measured on
+the 2-core development machine shared with other jobs (load average 4): 57 s wall, 91 s CPU in all
+processes (torch 2.13.0 CPU).
 """
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ PLAIN_RUNS = ([[cls, impl, "aot_eager", False] for cls in ("Adam", "AdamW") for 
               + [["AdamW", impl, "inductor", False] for impl in ("default", "foreach", "single")])
 DTENSOR_RUNS = [["AdamW", impl, "aot_eager", False] for impl in IMPLS]
 OLD_RUNS = [["AdamW", impl, "aot_eager", False] for impl in ("default", "foreach")]
+#: with the plugin imported before torch, against the same runs of the ``plain`` fixture's unpatched launch
+FIRST_RUNS = [["AdamW", impl, "aot_eager", skip] for impl, skip in (("default", False), ("foreach", False),
+                                                                    ("foreach", True))]
 
 
 def _key(run: list) -> str:
@@ -52,37 +57,58 @@ def _torch(launches: dict) -> str:
     return (off[0] if isinstance(off, list) else off)["environment"]["torch"]
 
 
-def _both(launch) -> dict:
-    """``launch(env)`` for the unpatched and the patched environment, concurrently."""
-    with ThreadPoolExecutor(2) as pool:
-        off, on = pool.submit(launch, OFF, "off"), pool.submit(launch, ON, "on")
-        return {"off": off.result(), "on": on.result()}
-
-
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    site = install_fixture("hyper_parallel_new", tmp_path_factory.mktemp("hyper_new"))
+def launches(tmp_path_factory) -> dict:
+    """Every launch of the file, at most 4 at a time (the 2-rank ones count as one): name -> future."""
+    new = install_fixture("hyper_parallel_new", tmp_path_factory.mktemp("hyper_new"))
+    old = install_fixture("hyper_parallel_old", tmp_path_factory.mktemp("hyper_old"))
 
-    def launch(env, tag):   # a fresh inductor cache each, so each environment compiles on its own
+    def plain(env, tag):   # a fresh inductor cache each, so each environment compiles on its own
         cache = tmp_path_factory.mktemp(f"inductor_{tag}")
-        return run_case("tests.children.compiled_adam:plain_case", args={"runs": PLAIN_RUNS}, paths=[site],
+        return run_case("tests.children.compiled_adam:plain_case", args={"runs": PLAIN_RUNS}, paths=[new],
                         env={**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=400)
-    return _both(launch)
+
+    def ranks(env):
+        return run_ranks("tests.children.compiled_adam:dtensor_case", 2, args={"runs": DTENSOR_RUNS},
+                         timeout=400, env={**env, "PYTHONPATH": str(new)})
+
+    def old_generation(env):
+        return run_case("tests.children.compiled_adam:plain_case", args={"runs": OLD_RUNS}, paths=[old],
+                        env=env, timeout=400)
+
+    def first():   # the plugin imported before torch: its hooks apply the patch while `import torch` runs
+        return run_case("tests.children.compiled_adam:plain_case",
+                        args={"runs": FIRST_RUNS, "plugin_first": True}, paths=[new], env=ON, timeout=400)
+
+    with ThreadPoolExecutor(4) as pool:   # longest first
+        yield {"plain_off": pool.submit(plain, OFF, "off"), "plain_on": pool.submit(plain, ON, "on"),
+               "dtensor_off": pool.submit(ranks, OFF), "dtensor_on": pool.submit(ranks, ON),
+               "old_off": pool.submit(old_generation, OFF), "old_on": pool.submit(old_generation, ON),
+               "first": pool.submit(first)}
+
+
+def _pair(launches: dict, name: str) -> dict:
+    return {"off": launches[f"{name}_off"].result(), "on": launches[f"{name}_on"].result()}
 
 
 @pytest.fixture(scope="module")
-def dtensor(tmp_path_factory):
-    site = install_fixture("hyper_parallel_new", tmp_path_factory.mktemp("hyper_new_ranks"))
-    return _both(lambda env, tag: run_ranks("tests.children.compiled_adam:dtensor_case", 2,
-                                            args={"runs": DTENSOR_RUNS}, timeout=400,
-                                            env={**env, "PYTHONPATH": str(site)}))
+def plain(launches):
+    return _pair(launches, "plain")
 
 
 @pytest.fixture(scope="module")
-def old_generation(tmp_path_factory):
-    site = install_fixture("hyper_parallel_old", tmp_path_factory.mktemp("hyper_old"))
-    return _both(lambda env, tag: run_case("tests.children.compiled_adam:plain_case", args={"runs": OLD_RUNS},
-                                           paths=[site], env=env, timeout=400))
+def dtensor(launches):
+    return _pair(launches, "dtensor")
+
+
+@pytest.fixture(scope="module")
+def old_generation(launches):
+    return _pair(launches, "old")
+
+
+@pytest.fixture(scope="module")
+def plugin_first(launches):
+    return launches["first"].result()
 
 
 def mismatches(a: list, b: list) -> tuple[int, str]:
@@ -147,6 +173,12 @@ def test_two_rank_dtensors_compile_as_unpatched(dtensor, key):
     for rank in (0, 1):
         assert_same_compiled_run(dtensor["off"][rank][key], dtensor["on"][rank][key], f"rank {rank} {key}",
                                  _torch(dtensor))
+
+
+@pytest.mark.parametrize("key", [_key(r) for r in FIRST_RUNS])
+def test_plugin_imported_before_torch_compiles_as_unpatched(plain, plugin_first, key):
+    assert "hp_skip_dispatch_adamw" in plugin_first["environment"]["applied"], plugin_first["environment"]
+    assert_same_compiled_run(plain["off"][key], plugin_first[key], key, _torch(plain))
 
 
 @pytest.mark.parametrize("key", [_key(r) for r in OLD_RUNS])

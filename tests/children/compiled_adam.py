@@ -102,8 +102,13 @@ def _plain_params():
     return params, set_grads
 
 
-def plain_case(runs: list, steps: int = 3) -> dict:
-    """Each of ``runs`` ([optimizer class, impl, backend, under_skip]) on plain tensors."""
+def plain_case(runs: list, steps: int = 3, plugin_first: bool = False) -> dict:
+    """Each of ``runs`` ([optimizer class, impl, backend, under_skip]) on plain tensors; with
+    ``plugin_first`` the plugin is imported before torch (its hooks then apply the patches while
+    ``import torch`` runs), else torch's autoload activates it at the end of ``import torch``."""
+    if plugin_first:
+        assert "torch" not in sys.modules
+        import npu_fsdp_patches  # noqa: F401 - activates before torch exists
     _import_as_in_training()
     out = {"environment": _environment()}
     for cls_name, impl, backend, under_skip in runs:
