@@ -20,10 +20,10 @@ other call, capturable/differentiable ones included, goes to the original untouc
 
 Under ``torch.compile`` (dynamo tracing, ``torch.compiler.is_compiling()``) every call goes to the
 original, and the ContextVar is never read: dynamo cannot trace ``ContextVar.get``, and the graph break it
-caused made a compiled ``AdamW(foreach=True).step`` raise and changed the other paths' graphs. A compiled
-step is then exactly the unpatched compiled step; hyper's own DTensor does not compile either (its
-``__torch_function__`` reads the same ContextVar per op), so there is nothing to route
-(docs/torch_adam.md#9-compiled-steps).
+caused made a compiled ``AdamW(foreach=True).step`` raise and changed other paths' bits. A compiled
+step is then exactly the unpatched compiled step. Hyper's own DTensor does not compile (its
+``__torch_function__`` reads the same ContextVar per op): dynamo runs such a step in eager frame by frame,
+and where the wrapper runs in eager it routes as above (docs/torch_adam.md#9-compiled-steps).
 """
 from __future__ import annotations
 
