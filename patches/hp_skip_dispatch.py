@@ -17,6 +17,13 @@ of the new one, docs/hyper_parallel.md#11-generations) and a param is a hyper DT
 ``npu_fsdp_patches.optim.foreach_adamw.adam_on_local_shards``: torch's own ``adam`` on the
 ``to_local()`` shards with foreach/fused resolved as torch resolves them for its own DTensor. Any
 other call, capturable/differentiable ones included, goes to the original untouched.
+
+Under ``torch.compile`` (dynamo tracing, ``torch.compiler.is_compiling()``) every call goes to the
+original, and the ContextVar is never read: dynamo cannot trace ``ContextVar.get``, and the graph break it
+caused made a compiled ``AdamW(foreach=True).step`` raise and changed other paths' bits. A compiled
+step is then exactly the unpatched compiled step. Hyper's own DTensor does not compile (its
+``__torch_function__`` reads the same ContextVar per op): dynamo runs such a step in eager frame by frame,
+and where the wrapper runs in eager it routes as above (docs/torch_adam.md#9-compiled-steps).
 """
 from __future__ import annotations
 
@@ -47,12 +54,22 @@ def _foreach_types() -> list:
     return getattr(module, REGISTRY_NAME, [])
 
 
+def compiling() -> bool:
+    """True while dynamo traces the calling step (or ``torch.export`` runs it); dynamo folds it to a constant.
+
+    Looked up at call time: the patch may be applied while ``import torch`` still runs (the plugin imported
+    first), before ``torch.compiler`` exists. Only torch's optimizers call the wrapper, so torch is loaded.
+    """
+    import torch.compiler  # pylint: disable=C0415 - the plugin's import path stays torch-free
+    return torch.compiler.is_compiling()
+
+
 def routed_adam(original):
     """Wrap torch's functional ``adam`` (or torch 2.6's ``adamw``) so hyper-DTensor steps under SkipDTensorDispatch go local."""
     signature = inspect.signature(original)
 
     def adam(*args, **kwargs):
-        if not skip_dispatch_active():
+        if compiling() or not skip_dispatch_active():
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
