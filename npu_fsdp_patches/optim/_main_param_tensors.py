@@ -36,9 +36,11 @@ def fp32_main_param(p: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(p.detach().to(copy=True, **_CONTIGUOUS_FP32), requires_grad=p.requires_grad)
 
 
-def fp32_grad(grad: torch.Tensor) -> torch.Tensor:
+def fp32_grad(grad: torch.Tensor, layout: tuple | None = None) -> torch.Tensor:
     """``grad`` as a contiguous fp32 local shard with its DTensor layout kept; a contiguous fp32
-    grad is returned as is (no copy)."""
+    grad is returned as is (no copy). ``layout``: the torch DTensor's global ``(shape, stride)`` as
+    ints, when the caller knows it (under ``torch.compile`` a traced DTensor's ``stride()`` is symbolic,
+    which ``DTensor.from_local`` cannot take)."""
     local = local_tensor(grad)
     if grad.dtype == torch.float32 and local.is_contiguous():
         return grad
@@ -46,8 +48,9 @@ def fp32_grad(grad: torch.Tensor) -> torch.Tensor:
     if is_foreign_dtensor(grad):
         return type(grad).from_local(cast, grad.device_mesh, grad.placements)
     if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
+        shape, stride = layout if layout is not None else (grad.shape, grad.stride())
         return type(grad).from_local(cast, grad.device_mesh, grad.placements,
-                                     run_check=False, shape=grad.shape, stride=grad.stride())
+                                     run_check=False, shape=shape, stride=stride)
     return cast
 
 

@@ -62,8 +62,11 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"foreach_adamw_step needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
     functional, weight_decay_kwargs = _functional_adam(optimizer)
+    compiling = torch.compiler.is_compiling()
     for index, group in enumerate(optimizer.param_groups):
         for option, why in _NOT_REPRODUCIBLE.items():
+            if option == "capturable" and compiling:
+                continue   # dynamo's view of every group says capturable=True (see _compiled_capturable)
             if group.get(option, False):
                 raise ValueError(f"foreach_adamw_step: param_groups[{index}] sets {option}=True, which it "
                                  f"cannot reproduce exactly ({why}); build the optimizer with {option}=False")
@@ -78,13 +81,24 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
             fused = bool(group.get("fused"))
             _adam_on_locals(
                 functional, *lists,
-                foreach=not fused, fused=fused, capturable=False, differentiable=False,
+                foreach=not fused, fused=fused, capturable=compiling and _compiled_capturable(group),
+                differentiable=False,
                 grad_scale=getattr(optimizer, "grad_scale", None) if fused else None,
                 found_inf=getattr(optimizer, "found_inf", None) if fused else None,
                 has_complex=has_complex, **weight_decay_kwargs(group),
                 amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
     return loss
+
+
+def _compiled_capturable(group: dict) -> bool:
+    """What torch's own compiled ``Adam.step`` passes as ``capturable``: dynamo shows every param group of a
+    traced optimizer with ``capturable=True`` (``OptimizerVariable._set_capturable``,
+    torch/_dynamo/variables/optimizer.py), so compiled torch runs the capturable branch of
+    ``_multi_tensor_adam`` (step tensors as foreach operands; the non-capturable branch's stacked step
+    sizes fail fake-tensor propagation: "Expected scalars to be on CPU, got meta"). Reading the group here
+    gives the same view, so a compiled ``foreach_adamw_step`` runs torch's compiled op sequence."""
+    return bool(group.get("capturable", False))
 
 
 def _functional_adam(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., None], Callable[[dict], dict]]:
