@@ -9,9 +9,9 @@ stepped round-robin on the same data, each variant ``torch.compile(step, backend
   fused        torch ``AdamW(fused=True).step``          vs ``FusedAdam.step`` (fp32)
   main_params  torch ``AdamW(foreach=True)`` on fp32 params vs ``MainParamsOptimizer`` over that AdamW on
                bf16 params with bf16 grads (the cast, the step on fp32 main params, the copy back)
-Times are wall-clock medians of the timed steps after warm-up (compilation is in the warm-up), with the
-device synchronised around each step; each variant runs as one block (see ``measure``), so compare runs
-on a quiet machine. Prints a table of milliseconds and the ratios ours/torch (same
+Times are medians of the timed steps after warm-up (compilation is in the warm-up): process CPU time
+with one thread on cpu, wall time with the device synchronised around each step elsewhere; each variant
+runs as one block (see ``measure``). Prints a table of milliseconds and the ratios ours/torch (same
 mode) and compiled/eager; ``--json`` prints the same machine-readable. ``--quick`` shrinks everything to
 a smoke run (the CPU path of benchmarks/device_run.sh's test).
 """
@@ -84,15 +84,18 @@ def _variants(device: str, params: int, numel: int):
 
 
 def _time(step, before, device: str, steps: int, warmup: int) -> float:
+    """Median step time: process CPU time on cpu (one thread; a loaded machine disturbs it far less than
+    wall time), wall time with the device synchronised elsewhere."""
+    clock = time.process_time if device == "cpu" else time.perf_counter
     times = []
     for i in range(warmup + steps):
         before()
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         step()
         _sync(device)
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -100,8 +103,11 @@ def measure(device: str, backend: str, params: int, numel: int, steps: int, warm
     """Each variant timed in its own block, dynamo reset before each compiled one: on torch 2.13 a second
     ``AdamW(foreach=True)`` compiled in the same process fails in its resumed frame ("Expected scalars to
     be on CPU, got meta"), torch's own optimizer included, so compiled variants cannot be interleaved."""
+    import torch
     import torch._dynamo
 
+    if device == "cpu":
+        torch.set_num_threads(1)
     families = _variants(device, params, numel)
     results = {}
     for family, variants in families.items():
