@@ -3,12 +3,12 @@
 ``foreach_adamw_step``, ``FusedAdam`` and ``MainParamsOptimizer`` are compiled as users compile a step
 (``torch.compile(opt.step)``) and compared with torch's counterpart compiled the same way: compiled
 ``AdamW(foreach=True)``, compiled ``AdamW(fused=True)``, and a compiled fp32-master reference (torch
-``AdamW`` on fp32 copies, grads cast, results copied back). Required: no error; bit-identical params and
-states under ``aot_eager`` (and under inductor for the subset run here: the stated bound is 0 ulp, what
-the CPU inductor kernels give); no graph-break site torch's counterpart lacks; no recompile after the
-warm-up steps (``error_on_recompile``). Every case runs in fresh interpreters (tests/distributed.py):
-world size 1 for plain tensors, 2 gloo ranks for ``Shard(0)`` DTensors with uneven shards and
-``fully_shard``.
+``AdamW``, or Muon + AdamW, on fp32 copies, grads cast, results copied back). Required: no error;
+bit-identical params and states under ``aot_eager`` (and under inductor for the subset run here: the
+stated bound is 0 ulp, what the CPU inductor kernels give); no graph-break site torch's counterpart lacks;
+no recompile after the warm-up steps (``error_on_recompile``). Every case runs in fresh interpreters
+(tests/distributed.py): world size 1 for plain tensors, 2 gloo ranks for ``Shard(0)`` DTensors with
+uneven shards and ``fully_shard``.
 """
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.support import bit_mismatches
+from tests.torch_versions import HAS_MUON
 
 TARGET = "tests.multirank.compiled_optimizer_cases:suite"
 AOT_CASES = [["foreach_case", {"dtype": "bfloat16"}], ["fused_case", {}], ["main_params_case", {}]]
-PLAIN_ONLY = [["foreach_case", {"dtype": "float32", "eager": True}]]
+PLAIN_ONLY = [["foreach_case", {"dtype": "float32", "eager": True}]] + (
+    [["main_params_case", {"muon": True}]] if HAS_MUON else [])   # Muon for the matrices, AdamW the rest
 #: the inductor subset: the two traced steps (FusedAdam's update is never traced, see fused_adam_step.py)
 INDUCTOR_CASES = [["foreach_case", {"dtype": "bfloat16", "backend": "inductor"}],
                   ["main_params_case", {"backend": "inductor"}]]

@@ -20,6 +20,7 @@ from torch import nn
 
 from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer, apply_model_init_dtype
 from npu_fsdp_patches.optim.foreach_adamw import foreach_adamw_step
+from npu_fsdp_patches.optim.muon_routing import build_muon_adamw, split_muon_adamw_params
 
 STEPS = 3
 #: steps 0 and 1 may compile (state creation); from step WARM on a recompile raises
@@ -224,29 +225,47 @@ def _model(world, mesh, reduce_dtype):
     return apply_model_init_dtype(model, torch.bfloat16)
 
 
-class _Fp32MasterReference:
-    """The reference for a main-params step: torch ``AdamW`` on fp32 copies of the bf16 params, grads
-    cast to fp32, results copied back; written with torch's own (DTensor) ops only."""
+MUON = dict(lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5)
 
-    def __init__(self, model):
-        self.model = model
+
+class _Fp32MasterReference:
+    """The reference for a main-params step: torch's optimizers (AdamW, or Muon for the matrices and
+    AdamW for the rest, by the same routing rule) on fp32 copies of the bf16 params, grads cast to fp32,
+    results copied back; written with torch's own (DTensor) ops only."""
+
+    def __init__(self, model, muon):
         self.params = list(model.parameters())
         self.masters = [nn.Parameter(p.detach().float()) for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, foreach=True, **ADAMW)
+        master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        if muon:
+            to_muon, to_adamw = split_muon_adamw_params(model.named_parameters())
+            self.opts = [torch.optim.AdamW([master_of[id(p)] for p in to_adamw], foreach=True, **ADAMW),
+                         torch.optim.Muon([master_of[id(p)] for p in to_muon], **MUON)]
+        else:
+            self.opts = [torch.optim.AdamW(self.masters, foreach=True, **ADAMW)]
 
     @torch.no_grad()
     def step(self):
         for p, m in zip(self.params, self.masters):
             m.grad = p.grad.float()
             p.grad = None
-        self.opt.step()
+        for opt in self.opts:
+            opt.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
 
+    def states(self):
+        return [_state_tensors(opt.state[m]) for m in self.masters for opt in self.opts if m in opt.state]
 
-def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False):
-    """compiled ``MainParamsOptimizer`` over AdamW vs a compiled fp32-master reference; world 2 is
-    ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or fp32."""
+
+def _state_tensors(state: dict) -> list:
+    return [v for k, v in sorted(state.items()) if isinstance(v, torch.Tensor) and k != "main_param"]
+
+
+def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False):
+    """compiled ``MainParamsOptimizer`` over AdamW (or Muon + AdamW, plain tensors) vs a compiled
+    fp32-master reference; world 2 is ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or
+    fp32."""
     mesh = _mesh(world)
     holder = {}
 
@@ -255,13 +274,15 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
             model = _model(world, mesh, getattr(torch, reduce))
             holder["model"] = model
             if ours:
-                opt = MainParamsOptimizer(torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW), model)
+                leaf = (build_muon_adamw(model, muon_kwargs=MUON, adamw_kwargs={**ADAMW, "foreach": True})
+                        if muon else torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
+                opt = MainParamsOptimizer(leaf, model)
                 mains = [opt.main_param(p) for p in model.parameters()]
                 return opt.step, lambda: list(model.parameters()) + mains + [
-                    opt.state[p][k] for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
-            ref = _Fp32MasterReference(model)
+                    t for p in model.parameters() for t in _state_tensors(opt.state[p])]
+            ref = _Fp32MasterReference(model, muon)
             return ref.step, lambda: list(model.parameters()) + ref.masters + [
-                ref.opt.state[m][k] for m in ref.masters for k in ("exp_avg", "exp_avg_sq")]
+                t for ts in ref.states() for t in ts]
         return make
 
     def grads(i):
