@@ -225,8 +225,8 @@ def _step_groups(opt) -> None:
 #: around it). Traced, this step fails (functionalization cannot express ``torch._fused_adamw_``'s in-place
 #: update: "mutating a non-functional tensor with a functional tensor") and would recompile every step (the
 #: int ``group["step"]`` and fresh grads keyed through ``opt.state`` are guarded). ``torch._disable_dynamo``
-#: imports dynamo only on its first call, so eager users never pay for it.
-_step_groups_untraced = torch._disable_dynamo(_step_groups)
+#: imports dynamo only on its first call, so eager users never pay for it (a torch without it steps traced).
+_step_groups_untraced = getattr(torch, "_disable_dynamo", lambda fn: fn)(_step_groups)
 
 
 def adam_step(opt, closure=None, grad_scaler=None):
