@@ -36,12 +36,14 @@ def fp32_main_param(p: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(p.detach().to(copy=True, **_CONTIGUOUS_FP32), requires_grad=p.requires_grad)
 
 
-def fp32_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def fp32_grad(grad: torch.Tensor, like: torch.Tensor, layout: tuple | None = None) -> torch.Tensor:
     """``grad`` as an fp32 local shard laid out like ``like`` (the main param it is for), with its
     DTensor layout kept; an fp32 grad that already has that layout is returned as is (no copy).
 
     The layout matters: torch's fused optimizer kernels pair param, grad and state elements by memory
-    position, so a grad strided unlike its param would be stepped against the wrong elements."""
+    position, so a grad strided unlike its param would be stepped against the wrong elements.
+    ``layout``: the torch DTensor's global ``(shape, stride)`` as ints, when the caller knows it (under
+    ``torch.compile`` a traced DTensor's ``stride()`` is symbolic, which ``DTensor.from_local`` cannot take)."""
     local, target = local_tensor(grad), local_tensor(like)
     if grad.dtype == torch.float32 and local.stride() == target.stride():
         return grad
@@ -53,8 +55,9 @@ def fp32_grad(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if is_foreign_dtensor(grad):
         return type(grad).from_local(cast, grad.device_mesh, grad.placements)
     if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective
+        shape, stride = layout if layout is not None else (grad.shape, grad.stride())
         return type(grad).from_local(cast, grad.device_mesh, grad.placements,
-                                     run_check=False, shape=grad.shape, stride=grad.stride())
+                                     run_check=False, shape=shape, stride=stride)
     return cast
 
 

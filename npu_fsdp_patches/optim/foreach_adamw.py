@@ -62,8 +62,11 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"foreach_adamw_step needs a torch.optim.Adam or AdamW, got {type(optimizer).__name__}")
     functional, weight_decay_kwargs = _functional_adam(optimizer)
+    compiling = torch.compiler.is_compiling()
     for index, group in enumerate(optimizer.param_groups):
         for option, why in _NOT_REPRODUCIBLE.items():
+            if option == "capturable" and compiling:
+                continue   # dynamo's view of every group says capturable=True (see _compiled_capturable)
             if group.get(option, False):
                 raise ValueError(f"foreach_adamw_step: param_groups[{index}] sets {option}=True, which it "
                                  f"cannot reproduce exactly ({why}); build the optimizer with {option}=False")
@@ -78,13 +81,24 @@ def foreach_adamw_step(optimizer: torch.optim.Optimizer,
             fused = bool(group.get("fused"))
             _adam_on_locals(
                 functional, *lists,
-                foreach=not fused, fused=fused, capturable=False, differentiable=False,
+                foreach=not fused, fused=fused, capturable=compiling and _compiled_capturable(group),
+                differentiable=False,
                 grad_scale=getattr(optimizer, "grad_scale", None) if fused else None,
                 found_inf=getattr(optimizer, "found_inf", None) if fused else None,
                 has_complex=has_complex, **weight_decay_kwargs(group),
                 amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
     return loss
+
+
+def _compiled_capturable(group: dict) -> bool:
+    """What torch's own compiled ``Adam.step`` passes as ``capturable``: dynamo shows every param group of a
+    traced optimizer with ``capturable=True`` (``OptimizerVariable._set_capturable``,
+    torch/_dynamo/variables/optimizer.py), so compiled torch runs the capturable branch of
+    ``_multi_tensor_adam`` (step tensors as foreach operands; the non-capturable branch's stacked step
+    sizes fail fake-tensor propagation: "Expected scalars to be on CPU, got meta"). Reading the group here
+    gives the same view, so a compiled ``foreach_adamw_step`` runs torch's compiled op sequence."""
+    return bool(group.get("capturable", False))
 
 
 def _functional_adam(optimizer: torch.optim.Optimizer) -> tuple[Callable[..., None], Callable[[dict], dict]]:
@@ -158,7 +172,8 @@ def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tu
     """Collect the *local shards* of the group's params with grads and of their state, creating state
     the way torch's ``Adam._init_group`` does (torch/optim/adam.py): state tensors are ``zeros_like``
     the param (a torch DTensor for torch DTensor params; the local shard for hyper params, as torch
-    creates it under ``SkipDTensorDispatch``), ``step`` a CPU scalar unless fused. This runs per param
+    creates it under ``SkipDTensorDispatch``), ``step`` a CPU scalar unless fused (or compiled: then on the
+    param's device, as torch's compiled step keeps it). This runs per param
     on every step, so tensors are unwrapped list by list (:func:`local_tensors`)."""
     params, grads = [], []
     for p in group["params"]:
@@ -170,6 +185,8 @@ def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tu
     exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
     has_complex = False
     fused, amsgrad, state_of = bool(group.get("fused")), group["amsgrad"], optimizer.state
+    # compiled, torch's Adam._init_group sees capturable=True and keeps steps on the params' device
+    on_device_steps = torch.compiler.is_compiling() and _compiled_capturable(group)
     for p, local_p, local_g in zip(params, local_params, local_grads):
         if local_g.is_sparse:
             raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
@@ -183,12 +200,14 @@ def _init_group(optimizer: torch.optim.Optimizer, group: dict, index: int) -> tu
             template = local_p if is_foreign_dtensor(p) else p
             if fused:
                 _device_dtype_check_for_fused(local_p)
-            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=True), device=local_p.device)
-                             if fused else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=local_p.device)
+                             if fused or on_device_steps else torch.tensor(0.0, dtype=_get_scalar_dtype()))
             state["exp_avg"] = torch.zeros_like(template, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(template, memory_format=torch.preserve_format)
             if amsgrad:
                 state["max_exp_avg_sq"] = torch.zeros_like(template, memory_format=torch.preserve_format)
+        elif on_device_steps and state["step"].device != local_p.device:
+            state["step"] = state["step"].to(local_p.device)   # torch's OptimizerVariable.move_step_if_cpu
         exp_avgs.append(state["exp_avg"])
         exp_avg_sqs.append(state["exp_avg_sq"])
         if amsgrad:

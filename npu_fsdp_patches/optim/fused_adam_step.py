@@ -213,14 +213,32 @@ def _refresh_fp32_masters(opt, group) -> None:
             set_scaled(opt, p, "master_param", local_tensor(p).detach().clone())
 
 
-def adam_step(opt, closure=None, grad_scaler=None):
-    """One step over all groups; ``grad_scaler`` is accepted for API parity and unused, as in TE's
-    non-capturable path. Returns the closure's loss."""
-    if opt.capturable:
-        raise RuntimeError("FusedAdam: capturable=True is not supported by the DTensor-aware step")
-    loss = closure() if closure is not None else None
+def _step_groups(opt) -> None:
     with torch.no_grad():
         for group in opt.param_groups:
             group["step"] = int(group.get("step", 0)) + 1
             _step_group(opt, group)
+
+
+#: The step as dynamo sees it: never traced. torch's compiled ``AdamW(fused=True)`` traces nothing either
+#: (dynamo wraps ``torch.optim.adam._fused_adam`` in ``disable``, torch/_dynamo/eval_frame.py, and graph-breaks
+#: around it). Traced, this step fails (functionalization cannot express ``torch._fused_adamw_``'s in-place
+#: update: "mutating a non-functional tensor with a functional tensor") and would recompile every step (the
+#: int ``group["step"]`` and fresh grads keyed through ``opt.state`` are guarded). ``torch._disable_dynamo``
+#: imports dynamo only on its first call, so eager users never pay for it (a torch without it steps traced).
+_step_groups_untraced = getattr(torch, "_disable_dynamo", lambda fn: fn)(_step_groups)
+
+
+def adam_step(opt, closure=None, grad_scaler=None):
+    """One step over all groups; ``grad_scaler`` is accepted for API parity and unused, as in TE's
+    non-capturable path. Returns the closure's loss. Under ``torch.compile`` the closure is traced and the
+    update runs eagerly behind one graph break (docs/performance.md#compiled-steps), so compiled bits equal
+    eager bits."""
+    if opt.capturable:
+        raise RuntimeError("FusedAdam: capturable=True is not supported by the DTensor-aware step")
+    loss = closure() if closure is not None else None
+    if torch.compiler.is_compiling():
+        _step_groups_untraced(opt)
+    else:
+        _step_groups(opt)
     return loss

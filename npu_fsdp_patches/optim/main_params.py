@@ -39,7 +39,7 @@ from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy
                                  fqn_layout, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
-from .tensors import is_foreign_dtensor, local_tensor, local_tensors
+from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
 
 _ABSENT = object()
 
@@ -118,6 +118,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self._state_view = LeafState(self.leaf_optimizers, self._main_of_key, self.model_param,
                                      self._describe_non_optimizer_param, self._copy_into_main)
         self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
+        #: main param -> its global (shape, stride) as ints, for the fp32 grads a compiled step builds
+        self._layouts = {id(main): (tuple(main.shape), tuple(main.stride()))
+                         for main in self._main_params() if is_torch_dtensor(main)}
 
     # ---- iteration helpers -----------------------------------------------------------------------
     def _low_precision_pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
@@ -215,16 +218,19 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """Hand each main param its fp32 grad: ``main_grad`` first, else ``grad.float()``."""
+        # under torch.compile a traced DTensor's stride() is symbolic: give from_local the ints cached here
+        layouts = self._layouts if torch.compiler.is_compiling() else {}
         for model_param, main_param in self._low_precision_pairs():
             grad = getattr(model_param, "main_grad", None)
             if grad is None:
                 grad = model_param.grad
-            main_param.grad = None if grad is None else fp32_grad(grad, main_param)
+            main_param.grad = (None if grad is None
+                               else fp32_grad(grad, main_param, layouts.get(id(main_param))))
             model_param.grad = None
         for p in self._fp32_params():
             main_grad = getattr(p, "main_grad", None)
             if main_grad is not None:
-                p.grad = fp32_grad(main_grad, p)
+                p.grad = fp32_grad(main_grad, p, layouts.get(id(p)))
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

@@ -1,0 +1,48 @@
+"""The CPU path of the prepared device run, benchmarks/device_run.sh (docs/performance.md#the-prepared-device-run).
+
+CI runs it as ``bash benchmarks/device_run.sh cpu --quick``: the self-test's adamw_step check, two examples
+(megatron_te_fused_adam.py fails here, where megatron-core is not installed, which exercises "one failure
+never stops the run") and the compiled-step benchmark at tiny sizes, on 2 gloo ranks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.support import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "device_run.sh"
+
+
+def _run(*args, out, timeout=240):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
+    env.update(OUT=str(out), PYTHON=sys.executable)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=str(REPO_ROOT), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cpu_quick_run_writes_one_results_file_and_reports_what_failed(tmp_path):
+    proc = _run("cpu", "--quick", out=tmp_path)
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == ["device_run_cpu.txt"], files
+    text = files[0].read_text()
+    summary = text[text.index("=== summary: cpu"):].splitlines()
+    lines = {line.split()[1] + " " + line.split()[2].rstrip(":"): line.split()[0] for line in summary[1:]
+             if line.split() and line.split()[0] in ("ok", "FAILED", "TIMEOUT", "skipped", "NOT")}
+    assert lines.get("self-test (adamw_step)") == "ok", text[-4000:]
+    assert lines.get("example fsdp2_vs_foreach_adamw.py") == "ok", text[-4000:]
+    # ran after the megatron example, whatever that one did: one failure does not stop the run
+    assert lines.get("benchmark compiled_step.py") == "ok", text[-4000:]
+    assert "foreach" in text and "main_params" in text and "ours/torch compiled" in text
+    assert lines.get("example megatron_te_fused_adam.py") in ("ok", "FAILED"), text[-4000:]
+    assert lines.get("benchmark fused_adam_step.py") == "skipped"
+    failed = [name for name, status in lines.items() if status not in ("ok", "skipped")]
+    assert proc.returncode == (1 if failed else 0), (proc.returncode, failed)
+    assert "results file: " + str(files[0]) in proc.stdout
+
+
+def test_unknown_device_is_a_usage_error(tmp_path):
+    proc = _run("tpu", out=tmp_path, timeout=30)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
