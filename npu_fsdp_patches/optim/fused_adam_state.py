@@ -118,6 +118,17 @@ def check_dtensor_param(opt, param: torch.Tensor) -> None:
         raise problem
 
 
+def check_plain_param(opt, param: torch.Tensor) -> None:
+    """Refuse a plain param of a dtype the kernel cannot step, as TE's step does
+    (docs/te_fused_adam.md#rfc-331-supported-types): complex params would lose their imaginary
+    part and float64 params would be stepped in float32."""
+    if param.dtype not in FLOAT_DTYPES:
+        raise RuntimeError(f"FusedAdam only support model weights in fp32, fp16, bf16 and fp8: "
+                           f"{describe(opt, param)} cannot be stepped (a complex param would lose its "
+                           f"imaginary part, a float64 one would be stepped in float32); nothing was "
+                           f"updated")
+
+
 def check_grad(opt, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Return the local grad; a DTensor param needs a DTensor grad of the same layout
     (docs/te_fused_adam.md#rfc-334-grad-check)."""

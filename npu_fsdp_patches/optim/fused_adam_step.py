@@ -24,8 +24,8 @@ from typing import List
 import torch
 
 from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor, torch_dtensor_type
-from .fused_adam_state import (check_dtensor_param, check_grad, dtensor_problem, dtensor_rules, get_unscaled,
-                               initialize, set_scaled, state_dtype)
+from .fused_adam_state import (FLOAT_DTYPES, check_dtensor_param, check_grad, check_plain_param, dtensor_problem,
+                               dtensor_rules, get_unscaled, initialize, set_scaled, state_dtype)
 
 _F32 = torch.float32
 
@@ -213,7 +213,28 @@ def _refresh_fp32_masters(opt, group) -> None:
             set_scaled(opt, p, "master_param", local_tensor(p).detach().clone())
 
 
+def _validate(opt) -> None:
+    """Every per-param refusal of the step, for all groups, before the first write (no group's
+    ``step`` advanced, no state made: validate, then commit)."""
+    rules = dtensor_rules(opt)
+    dtensor_cls = torch_dtensor_type()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if dtensor_cls is not None and isinstance(p, dtensor_cls):
+                problem = dtensor_problem(opt, p, rules)
+                if problem is not None:
+                    raise problem
+            elif is_foreign_dtensor(p):
+                check_dtensor_param(opt, p)
+            elif p.dtype not in FLOAT_DTYPES:
+                check_plain_param(opt, p)
+            grad = _grad_of(opt, p)
+            if grad is not None:
+                check_grad(opt, p, grad)
+
+
 def _step_groups(opt) -> None:
+    _validate(opt)
     with torch.no_grad():
         for group in opt.param_groups:
             group["step"] = int(group.get("step", 0)) + 1
