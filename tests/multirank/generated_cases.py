@@ -173,6 +173,15 @@ class Mismatch(AssertionError):
     pass
 
 
+def _same_refusal(ours: str, ours_error: BaseException, reference: str, ref_error) -> None:
+    """Raise :class:`Mismatch` unless the reference refused too, with the same exception type."""
+    if ref_error is None:
+        raise Mismatch(f"{ours} refused where {reference} computes: {type(ours_error).__name__}: {ours_error}")
+    if type(ours_error) is not type(ref_error):
+        raise Mismatch(f"{ours} refused with {type(ours_error).__name__}: {ours_error}; "
+                       f"{reference} with {type(ref_error).__name__}: {ref_error}")
+
+
 def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
     """``t`` (complex as real pairs) with every NaN replaced by one NaN: the bits of a NaN's sign and
     payload carry no value, and torch's own casts do not keep them alike (fp32 -NaN becomes fp16
@@ -344,12 +353,7 @@ def run_foreach(case: dict, layout: Layout) -> Optional[str]:
     if ours_error is not None:
         if expected(case)[0] == "refuse":
             raise ours_error   # checked against the documented refusal by the caller
-        if ref_error is None:
-            raise Mismatch(f"foreach_adamw_step refused where torch computes: "
-                           f"{type(ours_error).__name__}: {ours_error}")
-        if type(ours_error) is not type(ref_error):
-            raise Mismatch(f"foreach_adamw_step refused with {type(ours_error).__name__}: {ours_error}; "
-                           f"torch with {type(ref_error).__name__}: {ref_error}")
+        _same_refusal("foreach_adamw_step", ours_error, "torch", ref_error)
         return "both"   # torch's own refusal, passed through
     if ref_error is not None:
         raise Mismatch(f"foreach_adamw_step computed where torch's {opts['cls']}({ref_flags}) refuses: "
@@ -422,12 +426,7 @@ def run_main_params(case: dict, layout: Layout) -> None:
                 ours_error = exc
         wrapped.zero_grad()
     if ours_error is not None:
-        if ref_error is None:
-            raise Mismatch(f"MainParamsOptimizer refused where the fp32 reference computes: "
-                           f"{type(ours_error).__name__}: {ours_error}")
-        if type(ours_error) is not type(ref_error):
-            raise Mismatch(f"MainParamsOptimizer refused with {type(ours_error).__name__}: {ours_error}; "
-                           f"the fp32 reference with {type(ref_error).__name__}: {ref_error}")
+        _same_refusal("MainParamsOptimizer", ours_error, "the fp32 reference", ref_error)
         return   # both refused: the leaf's own refusal, passed through
     if ref_error is not None:
         raise Mismatch(f"MainParamsOptimizer computed where the fp32 reference refuses: "
