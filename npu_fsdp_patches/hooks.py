@@ -84,13 +84,17 @@ class _FirstLookup:
 
     def _ask_new_finders(self, passed: list, fullname: str, path, target):
         """The callback may have put a finder ahead of this one (wrapt's, for a post-import hook on
-        this very module); the import has already passed that place in sys.meta_path, so ask it here.
-        This entry never leaves sys.meta_path: removing it mid-lookup would skip the next finder."""
+        this very module), or registered this module with a finder already there (wrapt's finder,
+        installed once, answers only for modules with hooks); the import has already passed that
+        place in sys.meta_path, so ask the finders ahead again here (one that said None before says
+        None again unless the callback changed its mind). This entry never leaves sys.meta_path:
+        removing it mid-lookup would skip the next finder."""
+        del passed   # every finder ahead is asked: a passed one may answer now
         for finder in sys.meta_path:
             if finder is self:
                 break
             find = getattr(finder, "find_spec", None)
-            if find is not None and not any(finder is seen for seen in passed):
+            if find is not None:
                 spec = find(fullname, path, target)
                 if spec is not None:
                     return spec

@@ -15,6 +15,7 @@ from .errors import PatchError
 from .plugin_log import log
 from .records import PatchRecord
 from .registry import Registry, TargetNotFound, resolve
+from .swap import swap_guard
 
 if TYPE_CHECKING:
     from .lifecycle import Lifecycle
@@ -153,13 +154,18 @@ def _install(life: Lifecycle, record: PatchRecord, claims: list, built: list, mo
     """Commit the built replacements (under the lock); all or none of this module's targets."""
     done, item = [], None
     try:
-        for item, replacement in zip(claims, built):
-            life.registry.install(record.name, item, replacement)
-            done.append(item)
+        with swap_guard():   # the replacements were built before: only the swaps run here
+            for item, replacement in zip(claims, built):
+                life.registry.install(record.name, item, replacement)
+                done.append(item)
     except Exception as exc:
-        for installed in reversed(done):
-            life.registry.restore(installed.target.symbol)
+        with swap_guard():
+            for installed in reversed(done):
+                life.registry.restore(installed.target.symbol)
+        life.registry.rebind_copies()
         raise AtTarget(item.target.symbol) from exc
+    if done:
+        life.watch_for_reimport(module_name)
     if done:
         provider = life.plan.provider(record.name)
         log.log(life.summary.detail_level(), "patch %s applied at %s; code: %s", record.name,

@@ -26,6 +26,7 @@ from .plugin_log import log
 from .records import PatchRecord, State
 from .registry import Registry, TargetNotFound
 from .stale import modules_referencing
+from .swap import swap_guard
 from .summary import ActivationSummary
 
 
@@ -173,18 +174,38 @@ class Lifecycle:
             raise failures[0]
 
     def _module_discarded(self, module: str) -> None:
-        """Patches applied on a module object that leaves sys.modules go back to pending on it."""
+        """Patches applied on a module object that leaves sys.modules go back to pending on it: the
+        next import of ``module`` is patched. Ours stays on the old object (classes defined there still
+        call it) and revert restores it there too (registry.retire)."""
         sys.modules.pop(module, None)
         for record in self.records.values():
             gone = [s for s in record.applied_targets if s.split(":")[0] == module]
             for symbol in gone:
-                self.registry.forget(symbol)
+                self.registry.retire(symbol)
+            if gone and self.registry.retired_for(record.name):
+                record.note = (f"also installed on an earlier {module} module object that left sys.modules "
+                               f"(code that imported it before still runs it); revert restores it there too")
             record.drop_targets(gone)
             if gone and not record.applied_targets:
                 record.mark_pending(module)
             elif gone and module not in record.waiting_for:
                 record.waiting_for.append(module)
         self._hook(module)
+
+    def watch_for_reimport(self, module: str) -> None:
+        """Once a patch is applied on ``module``, the next import that looks it up (it was deleted from
+        sys.modules) marks its patches pending and hooks the new module object, so it is patched as it
+        loads, with no status() call in between."""
+        hooks.when_looked_up(module, self._looked_up_again)
+
+    def _looked_up_again(self, module: str) -> bool:
+        with self.lock:
+            if hooks.imported(module):
+                return False
+            if any(s.split(":")[0] == module for r in self.records.values() for s in r.applied_targets):
+                self._module_discarded(module)
+        self.register_hooks()
+        return True
 
     # -- outcomes ---------------------------------------------------------------------------------
     def fail(self, record: PatchRecord, exc: Exception, symbol: str | None) -> None:
@@ -223,6 +244,8 @@ class Lifecycle:
             return
         lost = {}
         for symbol in list(record.applied_targets):
+            if symbol not in record.applied_targets:
+                continue   # its module was discarded for an earlier symbol of this loop
             how = self.registry.liveness(symbol)
             if how == "module gone":
                 self._module_discarded(symbol.split(":")[0])
@@ -268,7 +291,8 @@ class Lifecycle:
         for name in names:
             record = self.records[name]
             installed = self.registry.installed_for(name)
-            if not installed and record.state != State.PENDING:
+            retired = self.registry.retired_for(name)
+            if not installed and not retired and record.state != State.PENDING:
                 continue   # never applied: nothing to restore, the state stays true
             stacked = [why for s in installed if (why := self.registry.stacked_on(s))]
             if stacked:    # a foreign wrapper on ours: keep ours applied beneath it, say who
@@ -276,7 +300,12 @@ class Lifecycle:
                 refused.append(f"patch {name} not reverted: {'; '.join(stacked)}")
                 log.warning("%s", refused[-1])
                 continue
-            errors = [e for s in installed if (e := self.registry.restore(s))]
+            with swap_guard():
+                errors = [e for s in installed if (e := self.registry.restore(s))]
+                errors += self.registry.restore_retired(name)
+            self.registry.rebind_copies()
+            if retired and not self.registry.retired_for(name):
+                record.note = None
             record.mark_reverted("; ".join(errors) or None)
             log.info("patch %s reverted%s", name, f" ({record.error})" if record.error else "")
         if refused:

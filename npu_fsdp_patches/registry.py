@@ -121,6 +121,12 @@ class Registry:
 
     def __init__(self) -> None:
         self._saved: dict = {}
+        #: entries installed on a module object that left sys.modules (deleted, then imported anew):
+        #: code that imported it before (a class defined there) still runs ours, so revert restores it
+        self._retired: list = []
+        #: (replacement, original) whose ``from x import f`` copies still need rebinding: the scan is
+        #: slow (gc), so it runs after all swaps of a revert, outside the swap guard
+        self._rebinds: list = []
 
     def is_ours(self, resolved: Resolved) -> bool:
         """True when the live attribute is a replacement this registry installed."""
@@ -154,9 +160,18 @@ class Registry:
         else:
             delattr(resolved.owner, resolved.attr)
         entry.installed = False
-        if not any(e.installed and e.replacement is entry.replacement for e in self._saved.values()):
-            rebind_module_refs(entry.replacement, resolved.original)
+        self._rebinds.append((entry.replacement, resolved.original))
         return None
+
+    def rebind_copies(self) -> None:
+        """Point module-level copies of replacements restored since the last call (``from x import
+        f`` made after apply) at their originals. Call it after the swaps, outside the swap guard: it
+        scans the heap, which is far too slow to keep other threads out for."""
+        pending, self._rebinds = self._rebinds, []
+        for replacement, original in pending:
+            live = [*self._saved.values(), *self._retired]
+            if not any(e.installed and e.replacement is replacement for e in live):
+                rebind_module_refs(replacement, original)
 
     def stacked_on(self, symbol: str) -> str | None:
         """Why reverting ``symbol`` would drop a foreign wrapper stacked on our replacement, if one is.
@@ -229,6 +244,42 @@ class Registry:
             return "replaced"
         live = now.owner is entry.resolved.owner and _wraps(_current(now), entry.replacement)
         return "live" if live else "replaced"
+
+    def retire(self, symbol: str) -> None:
+        """The module object of ``symbol`` left sys.modules: keep our replacement there (code that
+        holds the old object still runs it) and remember it for revert; a new module object of that
+        name is patched as a new target."""
+        entry = self._saved.pop(symbol, None)
+        if entry is not None and entry.installed and _wraps(_current(entry.resolved), entry.replacement):
+            self._retired.append(entry)
+
+    def retired_for(self, patch: str) -> list:
+        return [e.resolved.target.symbol for e in self._retired if e.patch == patch]
+
+    def restore_retired(self, patch: str) -> list:
+        """Put the originals back on the earlier module objects of ``patch``'s targets; the texts of
+        what could not be restored (a foreign wrapper stacked on ours stays, as in :meth:`restore`)."""
+        errors, kept = [], []
+        for entry in self._retired:
+            if entry.patch != patch:
+                kept.append(entry)
+                continue
+            current, resolved = _current(entry.resolved), entry.resolved
+            if not _wraps(current, entry.replacement):
+                continue   # someone replaced ours there since: nothing of ours to remove
+            if _above(current, entry.replacement):
+                errors.append(f"{resolved.target.symbol} (an earlier module object) is wrapped by "
+                              f"{' over '.join(describe(x) for x in _above(current, entry.replacement))}; left alone")
+                kept.append(entry)
+                continue
+            if resolved.had_own:
+                setattr(resolved.owner, resolved.attr, resolved.original)
+            else:
+                delattr(resolved.owner, resolved.attr)
+            entry.installed = False
+            self._rebinds.append((entry.replacement, resolved.original))
+        self._retired = kept
+        return errors
 
     def forget(self, symbol: str) -> None:
         """Mark an entry not installed without touching the target (its module object is gone)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from ._main_param_tensors import fp32_main_param
 from ._param_identity import stale_param_references
+from ._rollback import Rollback
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -62,18 +63,17 @@ def check_params(leaves: list[torch.optim.Optimizer], fqn_by_id: dict[int, str])
                 seen.add(id(p))
 
 
-def swap_in_main_params(leaf: torch.optim.Optimizer, g: int, group: dict, fqn_by_id: dict[int, str],
-                        undo: list) -> tuple[list, list, list, list]:
+def swap_in_main_params(leaf: torch.optim.Optimizer, g: int, group: dict,
+                        fqn_by_id: dict[int, str]) -> tuple[list, list, list, list]:
     """Put an fp32 main param in place of each bf16/fp16 param of ``leaf``'s group ``g`` (its state
     moves with it). Returns ``(float16, fp32_from_float16, fp32_from_fp32, [(param, fqn), ...])``.
-    The params were checked by :func:`check_params`; each swap is recorded in ``undo`` first, so
-    :func:`undo_swaps` can put everything back if a later step fails."""
+    The params were checked by :func:`check_params`; the caller recorded ``leaf`` in a
+    :class:`~._rollback.Rollback` first, so a later failure puts everything back."""
     float16, fp32_from_float16, fp32_from_fp32, fqns = [], [], [], []
     for i, p in enumerate(group["params"]):
         fqn = fqn_by_id[id(p)]
         if p.dtype in LOW_PRECISION:
             main = fp32_main_param(p)
-            undo.append((leaf, group, i, p, main))
             group["params"][i] = main
             if p in leaf.state:
                 leaf.state[main] = leaf.state.pop(p)
@@ -85,15 +85,17 @@ def swap_in_main_params(leaf: torch.optim.Optimizer, g: int, group: dict, fqn_by
     return float16, fp32_from_float16, fp32_from_fp32, fqns
 
 
-def undo_swaps(undo: list) -> None:
-    """Put the model params back into the groups and their state back under them, newest first."""
-    for leaf, group, i, p, main in reversed(undo):
-        if group["params"][i] is main:
-            group["params"][i] = p
-        if main in leaf.state:
-            leaf.state[p] = leaf.state.pop(main)
-        elif p in leaf.state and not leaf.state[p]:
-            del leaf.state[p]   # a defaultdict lookup during the failed call made an empty entry
+def record_wrap(rollback: Rollback, optimizer: Any, leaves: list[torch.optim.Optimizer],
+                model: nn.Module) -> None:
+    """Record everything a wrap writes: the leaves (groups, state, attributes their
+    ``reset_optimizer_parameters`` may reassign), a chained optimizer's attributes, and the model
+    params' attributes (``main_param``)."""
+    for leaf in leaves:
+        rollback.optimizer(leaf)
+    if optimizer not in leaves and hasattr(optimizer, "__dict__") and not isinstance(optimizer, (list, dict)):
+        rollback.attrs(optimizer)
+    for p in model.parameters():
+        rollback.attrs(p)
 
 
 def reset_param_caches(optimizer: Any, leaves: list[torch.optim.Optimizer],

@@ -105,7 +105,9 @@ def unflatten(state_dict: dict, group_fqns: list[list[str]], current: list[dict]
 def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable[str],
                       owner: str) -> dict:
     """``state_dict`` with its RFC section (if any) moved into the per-param state as
-    ``"main_param"``; the section wins over a per-param entry. Saved params map to ``fqns`` (ours, in
+    ``"main_param"`` (upstream's layout, where the section is the only copy). Where per-param entries
+    exist (ours), they are the same tensors and keep their positions, so an order mismatch is named
+    as such rather than blurred by a by-name section. Saved params map to ``fqns`` (ours, in
     group order) by position in the saved param groups, as torch's ``load_state_dict`` does, so
     state keyed by index (ours) or by FQN (upstream's, the earlier layout) both work. A section that
     lacks any of the ``low_precision`` FQNs is refused, naming them, before anything is written."""
@@ -123,15 +125,39 @@ def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable
             f"params of {len(missing)} bf16/fp16 param(s): {', '.join(missing)}. Refusing to load "
             f"(nothing was written) rather than rebuilding them from the low-precision model params.")
     rest = {k: v for k, v in state_dict.items() if k != MP_KEY}
+    if any(_has_main_param(entry) for entry in rest.get("state", {}).values()):
+        return rest   # our layout: the section holds the per-param entries' own tensors, by name only
     groups = rest.get("param_groups")
     keys = [k for g in groups for k in g["params"]] if isinstance(groups, list) else []
     if len(keys) != len(fqns):
         return rest   # split_by_leaf names the structural mismatch
     state = {key: dict(value) for key, value in rest.get("state", {}).items()}
-    for key, fqn in zip(keys, fqns):
+    for key, fqn in zip(keys, _saved_names(groups, fqns)):
         if fqn in mains:
             state.setdefault(key, {})[MAIN_PARAM] = mains[fqn]
     return rest | {"state": state}
+
+
+def _has_main_param(entry: Any) -> bool:
+    value = entry.get(MAIN_PARAM) if isinstance(entry, Mapping) else None
+    return value is not None and not isinstance(value, Mapping)   # torch's unflattening leaves {}
+
+
+def _saved_names(groups: list[dict], fqns: list[str]) -> list[str]:
+    """The FQN each saved param stands for: its key where keys are FQNs (upstream's layout), its
+    ``param_names`` entry where the group names them, else ours at the same position. A checkpoint
+    of a model that declares its params in another order then still pairs each section entry with
+    the state of the same param, and ``split_by_leaf`` reorders both by name."""
+    names: list[str] = []
+    for group in groups:
+        keys = list(group["params"])
+        if keys and all(isinstance(k, str) for k in keys):
+            names.extend(keys)
+        elif "param_names" in group and len(group["param_names"]) == len(keys):
+            names.extend(group["param_names"])
+        else:
+            names.extend(fqns[len(names):len(names) + len(keys)])
+    return names
 
 
 def upgrade_legacy(state_dict: dict) -> dict:
@@ -148,10 +174,15 @@ def upgrade_legacy(state_dict: dict) -> dict:
 
 
 def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_of: ModelOf,
-                  owner: str) -> tuple[list[dict], dict[torch.Tensor, Any]]:
-    """Per-leaf torch-native state dicts (without ``"main_param"``) and ``{model param: saved main
-    param or None}`` for the bf16/fp16 params that have saved state. Saved params map to the current ones by position in the groups, as in torch's
-    ``Optimizer.load_state_dict``; any structural mismatch raises before anything is loaded."""
+                  owner: str, fqn_of: Callable[[torch.Tensor], str] | None = None,
+                  ) -> tuple[list[dict], dict[torch.Tensor, Any], dict[torch.Tensor, Any]]:
+    """Per-leaf torch-native state dicts (without ``"main_param"``), ``{model param: saved main
+    param or None}`` for the bf16/fp16 params that have saved state, and ``{fp32 param: saved main
+    param}`` for fp32 params whose saved state has one (a bf16 model's checkpoint: the fp32 master is
+    the value to resume from). Saved params map to the current ones by name where the state dict
+    names them (FQN keys, or ``param_names`` on both sides), else by position, as in torch's
+    ``Optimizer.load_state_dict``; any structural mismatch (group sizes, names, order, shapes) raises
+    before anything is loaded, naming what does not match."""
     saved_groups = state_dict.get("param_groups")
     current = [g for leaf in leaves for g in leaf.param_groups]
     if not isinstance(saved_groups, list) or len(saved_groups) != len(current):
@@ -163,19 +194,28 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
         raise ValueError(f"{owner}.load_state_dict: saved param group sizes {[a for a, _ in sizes]} "
                          f"do not match the wrapped optimizers' {[b for _, b in sizes]}")
     saved_state = state_dict.get("state", {})
-    keys = [k for g in saved_groups for k in g["params"]]
+    group_keys = [_keys_in_current_order(s, g, gi, model_of, fqn_of, owner)
+                  for gi, (s, g) in enumerate(zip(saved_groups, current))]
+    keys = [k for g in group_keys for k in g]
     known = set(keys)
     unknown = [k for k in saved_state if k not in known]
     if unknown:
         raise ValueError(f"{owner}.load_state_dict: state for params in no param group: {unknown}")
-    natives, saved_mains, start = [], {}, 0
+    mains_flat = [p for g in current for p in g["params"]]
+    _check_positions(keys, mains_flat, saved_state, model_of, fqn_of, owner)
+    natives, saved_mains, fp32_mains, start = [], {}, {}, 0
     for leaf in leaves:
-        mains, leaf_groups = _leaf_params(leaf), saved_groups[start:start + len(leaf.param_groups)]
+        mains = _leaf_params(leaf)
+        leaf_groups = saved_groups[start:start + len(leaf.param_groups)]
+        leaf_group_keys = group_keys[start:start + len(leaf.param_groups)]
         start += len(leaf.param_groups)
         groups, leaf_keys = [], []
-        for saved in leaf_groups:
-            groups.append({**saved, "params": list(range(len(leaf_keys), len(leaf_keys) + len(saved["params"])))})
-            leaf_keys.extend(saved["params"])
+        for saved, ordered, cur in zip(leaf_groups, leaf_group_keys, leaf.param_groups):
+            group = {**saved, "params": list(range(len(leaf_keys), len(leaf_keys) + len(ordered)))}
+            if "param_names" in saved and "param_names" in cur:
+                group["param_names"] = list(cur["param_names"])   # reordered by name above
+            groups.append(group)
+            leaf_keys.extend(ordered)
         state = {}
         for index, (key, main) in enumerate(zip(leaf_keys, mains)):
             if key not in saved_state:
@@ -186,10 +226,93 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 saved_main = None   # torch's unflattening rebuilds a key the flat dict lacks as {}
             if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
                 saved_mains[model_of(main)] = saved_main
+            elif saved_main is not None:     # fp32 here, low precision when saved
+                fp32_mains[main] = saved_main
             if param_state:   # a section entry of a param the leaf has no state for yet adds none
                 state[index] = param_state
         natives.append({"state": state, "param_groups": groups})
-    return natives, saved_mains
+    return natives, saved_mains, fp32_mains
+
+
+#: per-param states shaped like the param (torch's Adam/AdamW/SGD/Muon, and the main param)
+_PARAM_SHAPED = (MAIN_PARAM, "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def _keys_in_current_order(saved: dict, current: dict, gi: int, model_of: ModelOf,
+                           fqn_of: Callable[[torch.Tensor], str] | None, owner: str) -> list:
+    """The saved group's keys reordered to the current params' order where both sides name their
+    params (FQN keys of the earlier layout, or ``param_names`` on both groups); else as saved."""
+    keys = list(saved["params"])
+    if "param_names" in saved and "param_names" in current:
+        saved_names, names = list(saved["param_names"]), list(current["param_names"])
+    elif fqn_of is not None and keys and all(isinstance(k, str) for k in keys):
+        saved_names, names = keys, [fqn_of(model_of(p)) for p in current["params"]]
+    else:
+        return keys
+    if saved_names == names:
+        return keys
+    if sorted(saved_names) != sorted(names) or len(set(names)) != len(names):
+        extra = sorted(set(saved_names) - set(names))
+        lacking = sorted(set(names) - set(saved_names))
+        raise ValueError(f"{owner}.load_state_dict: param group {gi} of the state dict names other params "
+                         f"than the optimizer's: saved but not here: {', '.join(extra) or '-'}; here but "
+                         f"not saved: {', '.join(lacking) or '-'}")
+    by_name = dict(zip(saved_names, keys))
+    return [by_name[n] for n in names]   # same params, other order: loaded by name
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _check_positions(keys: list, mains: list, saved_state: dict, model_of: ModelOf,
+                     fqn_of: Callable[[torch.Tensor], str] | None, owner: str) -> None:
+    """Refuse, before any write, saved states that do not line up with the params at their
+    positions: param-shaped states (moments, momentum, main param) of another shape, or fp32 main
+    params saved at the positions of fp32 params while bf16/fp16 params lack theirs. Either is
+    named as an order mismatch when the saved states fit the params in another order."""
+    def name(i: int) -> str:
+        return repr(fqn_of(model_of(mains[i]))) if fqn_of is not None else f"param {i}"
+
+    def saved_shape(key: Any) -> tuple | None:
+        entry = saved_state.get(key, {})
+        for k in _PARAM_SHAPED:
+            value = entry.get(k) if isinstance(entry, dict) else None
+            if isinstance(value, torch.Tensor):
+                return _shape(value)
+        return None
+
+    def fits(shape: tuple | None, p: torch.Tensor) -> bool:
+        return shape is None or shape in (_shape(p), _shape(local_tensor(p)))
+
+    shapes = [saved_shape(k) for k in keys]
+    bad = [i for i, (shape, p) in enumerate(zip(shapes, mains)) if not fits(shape, p)]
+    low = [model_of(p) is not p for p in mains]
+    has_main = [isinstance(saved_state.get(k, {}).get(MAIN_PARAM) if isinstance(saved_state.get(k), dict)
+                           else None, torch.Tensor) for k in keys]
+    crossed = any(lp and not hm and k in saved_state for lp, hm, k in zip(low, has_main, keys)) and \
+        any(hm and not lp for lp, hm in zip(low, has_main))
+    if not bad and not crossed:
+        return
+    known = [s for s in shapes if s is not None]
+    permuted = sorted(known) == sorted(_shape(p) for p, s in zip(mains, shapes) if s is not None)
+    if crossed or permuted:
+        where = "; ".join(f"saved position {i} holds state of shape {shapes[i]}, the param there is "
+                          f"{name(i)} of shape {_shape(mains[i])}" for i in bad[:4])
+        if crossed:
+            lacking = [name(i) for i, (lp, hm) in enumerate(zip(low, has_main)) if lp and not hm]
+            extra = [name(i) for i, (lp, hm) in enumerate(zip(low, has_main)) if hm and not lp]
+            where = "; ".join(filter(None, [where, f"fp32 main params are saved at the positions of the "
+                                            f"fp32 params {', '.join(extra)} but missing at the bf16/fp16 "
+                                            f"params {', '.join(lacking)}"]))
+        raise ValueError(f"{owner}.load_state_dict: the state dict's params are in another order than "
+                         f"the optimizer's ({where}): the model declares its params in another order "
+                         f"than the run that saved it. Nothing was loaded. Load it by name (torch's "
+                         f"set_optimizer_state_dict or load_checkpoint, keyed by FQN), or build the "
+                         f"model and optimizer with the saved order.")
+    raise ValueError(f"{owner}.load_state_dict: saved state does not match the params' shapes: "
+                     + "; ".join(f"{name(i)} has shape {_shape(mains[i])}, its saved state {shapes[i]}"
+                                 for i in bad[:4]) + ". Nothing was loaded.")
 
 
 def raise_partial_main_params(missing: Iterable[str]) -> None:

@@ -8,7 +8,8 @@ int16 remainder of a plain bf16 param is exported raw, as TE does.
 Loading maps the saved entries to the current params by position, converts every saved value to the
 param's local shard *before* anything is changed (a bad entry raises with nothing half-loaded), lets
 ``torch.optim.Optimizer`` restore the param groups, then stores each value back in its configured
-dtype with a fresh scale.
+dtype with a fresh scale; a failure there restores the optimizer as it was (validate, then commit:
+docs/design.md#validate-then-commit).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from itertools import chain
 
 import torch
 
+from ._rollback import Rollback
 from .fused_adam_state import STATE_NAMES, describe, get_unscaled, set_scaled, uses_remainders, wrap_like
 from .tensors import is_torch_dtensor, local_tensor
 
@@ -96,16 +98,23 @@ def import_state(opt, state_dict: dict) -> None:
             name: (_saved_to_local(opt, param, name, value)
                    if name in STATE_NAMES and torch.is_tensor(value) else value)
             for name, value in entry.items() if value is not None}
-    torch.optim.Optimizer.load_state_dict(
-        opt, {"state": {}, "param_groups": state_dict["param_groups"]})
-    for group in opt.param_groups:
-        if "step" in group:
-            group["step"] = int(group["step"])
-    for param, entry in prepared.items():
-        opt.state[param] = {}
-        opt._scales.pop(param, None)
-        for name, value in entry.items():
-            if name in STATE_NAMES and torch.is_tensor(value):
-                set_scaled(opt, param, name, value)
-            else:
-                opt.state[param][name] = value
+    rollback = Rollback()   # torch's load and the re-scaling can still fail midway: undone
+    rollback.optimizer(opt)
+    rollback.dict(opt._scales)
+    try:
+        torch.optim.Optimizer.load_state_dict(
+            opt, {"state": {}, "param_groups": state_dict["param_groups"]})
+        for group in opt.param_groups:
+            if "step" in group:
+                group["step"] = int(group["step"])
+        for param, entry in prepared.items():
+            opt.state[param] = {}
+            opt._scales.pop(param, None)
+            for name, value in entry.items():
+                if name in STATE_NAMES and torch.is_tensor(value):
+                    set_scaled(opt, param, name, value)
+                else:
+                    opt.state[param][name] = value
+    except BaseException:
+        rollback.restore()
+        raise

@@ -34,14 +34,14 @@ from torch import nn
 
 from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_param_tensors import clear_grads, fp32_grad
-from ._main_params_build import check_params, leaf_optimizers, reset_param_caches, swap_in_main_params, undo_swaps
-from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, merge_rfc_section,
-                                 fqn_layout, native_state_dict, raise_partial_main_params, rfc_section,
+from ._main_params_build import (check_params, leaf_optimizers, record_wrap, reset_param_caches,
+                                 swap_in_main_params)
+from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
+                                 merge_rfc_section, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
+from ._rollback import Rollback
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
 from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
-
-_ABSENT = object()
 
 __all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers",
            "MAIN_PARAM", "MP_KEY", "MAIN_PARAMS_KEY"]
@@ -80,12 +80,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
         self._fqns: list[tuple[nn.Parameter, str]] = []   # (model param, FQN), in group order
         check_params(self.leaf_optimizers, fqn_by_id)      # every check before the first write
-        undo: list = []
-        had_main = {id(p): (p, p.__dict__.get("main_param", _ABSENT)) for p in model.parameters()}
+        rollback = Rollback()
+        record_wrap(rollback, optimizer, self.leaf_optimizers, model)
         try:
             for leaf in self.leaf_optimizers:
                 for g, group in enumerate(leaf.param_groups):
-                    float16, mains, fp32, fqns = swap_in_main_params(leaf, g, group, fqn_by_id, undo)
+                    float16, mains, fp32, fqns = swap_in_main_params(leaf, g, group, fqn_by_id)
                     self.float16_groups.append(float16)
                     self.fp32_from_float16_groups.append(mains)
                     self.fp32_from_fp32_groups.append(fp32)
@@ -95,12 +95,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                                {main: self.model_param(main) for main in self._main_params()},
                                {id(m): self.fqn(m) for m, _ in self._low_precision_pairs()})
         except BaseException:
-            undo_swaps(undo)   # roll back: the optimizer and model as they were handed in
-            for p, old in had_main.values():
-                if old is _ABSENT:
-                    p.__dict__.pop("main_param", None)
-                else:
-                    p.main_param = old
+            rollback.restore()   # the optimizer and model as they were handed in
             raise
 
     def _index_params(self) -> None:
@@ -342,7 +337,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         current = [g for leaf in self.leaf_optimizers for g in leaf.param_groups]
         merged = merge_rfc_section(unflatten(state_dict, groups, current), [f for g in groups for f in g],
                                    self.main_params_by_fqn(), owner)
-        natives, saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner)
+        natives, saved, fp32_saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner,
+                                                   self.fqn)
         missing = [self.fqn(model) for model, main in saved.items() if main is None]
         if missing and len(missing) < len(saved):
             raise_partial_main_params(missing)
@@ -356,19 +352,30 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             else:
                 check_main_param(main, value, self.fqn(model))
                 load.append((model, main, value))
-        before = [(leaf.state, leaf.param_groups) for leaf in self.leaf_optimizers]
+        for p, value in fp32_saved.items():   # a low-precision run's fp32 master: resume from it
+            check_main_param(p, value, self.fqn(p))
+            if local_tensor(value) is not local_tensor(p):
+                load.append((p, p, value))
+        rollback = Rollback()   # what can still fail midway (torch's load, a copy) is undone
+        for leaf in self.leaf_optimizers:
+            rollback.optimizer(leaf)
+        for model, main, value in load:
+            if local_tensor(value) is not local_tensor(main):
+                rollback.tensor(main)
+        for _, main in rebuild:
+            rollback.tensor(main)
+        derived = self._derived_from_model   # replaced below, never mutated: restored as is
         try:
             for leaf, native in zip(self.leaf_optimizers, natives):
-                leaf.load_state_dict(native)   # torch builds new state/groups, so the old ones restore
+                leaf.load_state_dict(native)
+            for model, main, value in load:
+                copy_into_main(main, value, self.fqn(model))
+            self._copy_pairs(to_model=False, pairs=rebuild)
+            self._derived_from_model = (derived - {id(main) for _, main, _ in load}) | {id(m) for _, m in rebuild}
         except BaseException:
-            for leaf, (state, groups) in zip(self.leaf_optimizers, before):
-                leaf.state, leaf.param_groups = state, groups
+            rollback.restore()
+            vars(self)["_derived_from_model"] = derived
             raise
-        for model, main, value in load:
-            copy_into_main(main, value, self.fqn(model))
-            self._derived_from_model.discard(id(main))   # loaded
-        self._copy_pairs(to_model=False, pairs=rebuild)
-        self._derived_from_model.update(id(main) for _, main in rebuild)
         if not_loaded:
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: the optimizer state has no fp32 main params "

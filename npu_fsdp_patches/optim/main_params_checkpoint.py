@@ -23,18 +23,22 @@ whole tensor), so models holding them are refused up front; their
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+                                                     set_optimizer_state_dict)
 
 from ._leaf_views import MAIN_PARAM
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, drop_main_params, raise_partial_main_params,
                                  upgrade_legacy)
+from ._rollback import Rollback
 from .main_params import MainParamsOptimizer
 from .tensors import is_foreign_dtensor
 
@@ -103,6 +107,19 @@ def _template(keys: set[str], osd: dict, branch: str, legacy: bool) -> dict:
     return osd
 
 
+def _add_saved_fp32_masters(keys: set[str], osd: dict, model: nn.Module) -> None:
+    """Ask DCP for the fp32 main params the checkpoint holds for params that are fp32 here (a
+    bf16/fp16 model's checkpoint into an fp32 model): the wrapper resumes the fp32 params from
+    them rather than from the bf16-rounded model weights (no silent precision loss)."""
+    params = dict(model.named_parameters())
+    for fqn, state in list(osd["state"].items()):
+        p = params.get(fqn)
+        if (p is not None and p.dtype == torch.float32 and MAIN_PARAM not in state
+                and f"optimizer.state.{fqn}.{MAIN_PARAM}" in keys):
+            # a new dict: torch may hand out the leaf's own per-param state dicts
+            osd["state"][fqn] = {**state, MAIN_PARAM: torch.empty_like(p.detach(), dtype=torch.float32)}
+
+
 def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module,
                     optimizer: Any = None, *, load_optimizer: bool = True) -> str:
     """Load a checkpoint of :func:`save_checkpoint`, of torch's API, or of the earlier layout.
@@ -121,10 +138,12 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module,
         raise ValueError(f"checkpoint {os.fspath(checkpoint_id)!r} lacks model entries: "
                          f"{', '.join(missing_model)}")
     if not load_optimizer or optimizer is None:
-        dcp.load({"model": msd}, checkpoint_id=checkpoint_id)
-        set_model_state_dict(model, msd)
-        if isinstance(optimizer, MainParamsOptimizer):
-            optimizer.reload_model_params()
+        state = {"model": _fresh(msd)}
+        dcp.load(state, checkpoint_id=checkpoint_id)
+        with _restored_on_failure(model, optimizer):
+            set_model_state_dict(model, state["model"])
+            if isinstance(optimizer, MainParamsOptimizer):
+                optimizer.reload_model_params()
         return "model_only"
     if not _has(keys, "optimizer"):
         raise ValueError(f"checkpoint {os.fspath(checkpoint_id)!r} has no optimizer state; "
@@ -133,11 +152,55 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module,
         branch, legacy = _main_params_branch(keys, optimizer)
     else:
         branch, legacy = "plain_optimizer", False
-    osd = _template(keys, get_optimizer_state_dict(model, optimizer), branch, legacy)
-    state = {"model": msd, "optimizer": osd}
+    osd = get_optimizer_state_dict(model, optimizer)
+    if isinstance(optimizer, MainParamsOptimizer) and not legacy:
+        _add_saved_fp32_masters(keys, osd, model)
+    osd = _template(keys, osd, branch, legacy)
+    state = {"model": _fresh(msd), "optimizer": _fresh(osd)}
     dcp.load(state, checkpoint_id=checkpoint_id)
     if legacy:
         state["optimizer"] = upgrade_legacy(state["optimizer"])
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=StateDictOptions(strict=False))
+    with _restored_on_failure(model, optimizer):
+        # the model first (torch's set_state_dict loads the optimizer first): main params rebuilt
+        # from the model ("plain") must see the loaded model
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
     return branch
+
+
+def _fresh(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by a new one of the same layout (DTensors stay DTensors,
+    local op, no collective): DCP loads into these, never into the live model and optimizer, so a
+    failed or partial read changes nothing (docs/design.md#validate-then-commit). This costs a
+    second copy of the loaded state until the call returns."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_fresh(v) for v in tree]
+    return tree
+
+
+@contextlib.contextmanager
+def _restored_on_failure(model: nn.Module, optimizer: Any) -> Iterator[None]:
+    """Undo a commit that fails midway: the model's tensors (cloned first) and, for a
+    :class:`MainParamsOptimizer`, its leaf optimizers and main params. (A wrapper's own
+    ``load_state_dict`` already rolls itself back; the model loads first, so it needs this.)"""
+    rollback = Rollback()
+    for t in [*model.parameters(), *model.buffers()]:
+        rollback.tensor(t)
+    if isinstance(optimizer, MainParamsOptimizer):
+        for leaf in optimizer.leaf_optimizers:
+            rollback.optimizer(leaf)
+        for _, main in optimizer.main_params_by_fqn().items():
+            rollback.tensor(main)
+        rollback.attrs(optimizer)
+    else:
+        for leaf in ([optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)):
+            rollback.optimizer(leaf)
+    try:
+        yield
+    except BaseException:
+        rollback.restore()
+        raise

@@ -1,0 +1,114 @@
+"""Loads that do not fit say why, loads that carry fp32 state use it, and FusedAdam refuses what
+it cannot step (issue 29; docs/main_params.md#loading-checks)."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer
+from npu_fsdp_patches.optim.main_params_checkpoint import load_checkpoint, save_checkpoint
+from tests.main_params_model import backward, make
+
+
+def _wrapped(order, dtypes, shapes, seed=0):
+    """A module declaring params ``order`` (names), an AdamW over them, wrapped and stepped."""
+    torch.manual_seed(seed)
+    module = nn.Module()
+    for name in order:
+        setattr(module, name, nn.Parameter(torch.randn(shapes[name]).to(dtypes[name])))
+    wrapper = MainParamsOptimizer(torch.optim.AdamW(list(module.parameters()), lr=1e-2), module)
+    for p in module.parameters():
+        p.grad = torch.randn_like(p)
+    wrapper.step()
+    return module, wrapper
+
+
+DTYPES = {"a": torch.bfloat16, "w": torch.bfloat16, "v": torch.float32}
+
+
+@pytest.mark.parametrize("shapes", [{"a": (4, 3), "w": (5,), "v": (2, 2)},   # shapes tell
+                                    {"a": (3,), "w": (3,), "v": (3,)}],       # only main params tell
+                         ids=["shapes differ", "same shapes"])
+def test_another_param_order_is_named_as_such(shapes):
+    _, saved = _wrapped("awv", DTYPES, shapes)
+    module, target = _wrapped("avw", DTYPES, shapes, seed=1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match="another order") as info:
+        target.load_state_dict(copy.deepcopy(saved.state_dict()))
+    assert "incomplete" not in str(info.value)
+    assert "'v'" in str(info.value) or "'w'" in str(info.value)
+    after = target.state_dict()
+    for k, entry in before["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after["state"][k][name]), (k, name)
+
+
+def test_a_wrong_shape_is_named_before_anything_is_loaded():
+    shapes = {"a": (4, 3), "w": (5,), "v": (2, 2)}
+    _, saved = _wrapped("awv", DTYPES, shapes)
+    _, target = _wrapped("awv", DTYPES, {**shapes, "w": (6,)}, seed=1)
+    with pytest.raises(ValueError, match=r"'w' has shape \(6,\), its saved state \(5,\)"):
+        target.load_state_dict(saved.state_dict())
+
+
+def _legacy(wrapper, module):
+    """The earlier layout: state and groups keyed by FQN, main params in their own section."""
+    sd = wrapper.state_dict()
+    fqns = [n for n, _ in module.named_parameters()]
+    mains = {fqns[k]: entry.pop("main_param") for k, entry in sd["state"].items() if "main_param" in entry}
+    return {"state": {fqns[k]: v for k, v in sd["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]} for g in sd["param_groups"]],
+            "_mixed_precision_optimizer": {"fp32_from_fp16_params": mains}}
+
+
+def test_a_state_dict_keyed_by_name_loads_by_name_in_another_order():
+    shapes = {"a": (4, 3), "w": (5,), "v": (2, 2)}
+    src_module, saved = _wrapped("awv", DTYPES, shapes)
+    module, target = _wrapped("avw", DTYPES, shapes, seed=1)
+    target.load_state_dict(_legacy(saved, src_module))
+    for name in "aw":
+        assert torch.equal(getattr(module, name).main_param, getattr(src_module, name).main_param), name
+    for name in "awv":
+        src, dst = saved.state[getattr(src_module, name)], target.state[getattr(module, name)]
+        assert torch.equal(src["exp_avg"], dst["exp_avg"]), name
+
+
+def test_bf16_state_into_an_fp32_model_resumes_from_the_fp32_main_params():
+    model16, _, wrapper16 = make(torch.bfloat16, seed=0)
+    backward(model16)
+    wrapper16.step()
+    model32, _, wrapper32 = make(torch.float32, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapper32.load_state_dict(copy.deepcopy(wrapper16.state_dict()))
+    for (name, p16), (_, p32) in zip(model16.named_parameters(), model32.named_parameters()):
+        assert torch.equal(p32, p16.main_param), name   # the fp32 master, not bf16-rounded weights
+        assert not torch.equal(p32, p16.float()), name   # (it is not the rounded value: test can fail)
+
+
+def test_bf16_checkpoint_into_an_fp32_model_resumes_from_the_fp32_main_params(tmp_path):
+    model16, _, wrapper16 = make(torch.bfloat16, seed=0)
+    backward(model16)
+    wrapper16.step()
+    save_checkpoint(str(tmp_path / "ck"), model16, wrapper16)
+    model32, _, wrapper32 = make(torch.float32, seed=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(process group|ProcessGroup).*")
+        assert load_checkpoint(str(tmp_path / "ck"), model32, wrapper32) == "main_params"
+    for (name, p16), (_, p32) in zip(model16.named_parameters(), model32.named_parameters()):
+        assert torch.equal(p32, p16.main_param), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_fused_adam_refuses_unsteppable_dtypes_before_any_write(dtype):
+    good = nn.Parameter(torch.ones(3))
+    bad = nn.Parameter(torch.ones(2, dtype=dtype))
+    opt = FusedAdam([good, bad], lr=0.1)
+    for p in (good, bad):
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=rf"param 1 of param group 0 .*dtype={dtype}.*nothing was updated"):
+        opt.step()
+    assert opt.param_groups[0]["step"] == 0 and not opt.state
+    assert torch.equal(good, torch.ones(3))
