@@ -4,7 +4,7 @@ target <= 3%).
 Each sample is a fresh interpreter timing only the import statement (interpreter start-up excluded).
 torch is timed with TORCH_DEVICE_BACKEND_AUTOLOAD=0 so it does not include our own autoload.
 Bytecode writing is on and one untimed import comes first, as after ``pip install`` plus one run: the
-.pyc files and the compiled matrix (npu_fsdp_patches/matrix_cache.py) exist. ``--dont-write-bytecode``
+.pyc files and the compiled matrix (npu_fsdp_patches/plan/matrix_cache.py) exist. ``--dont-write-bytecode``
 runs every interpreter with PYTHONDONTWRITEBYTECODE=1 instead, as many container images do (the .pyc
 files pip compiled are still read; the compiled matrix lives in the user's cache folder).
 Usage: python benchmarks/import_overhead.py [--runs N] [--dont-write-bytecode] [--json]

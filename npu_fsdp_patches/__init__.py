@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from .errors import ConfigError, MatrixError, PatchError
-from .runtime import RUNTIME as _RUNTIME
+from .runtime.facade import RUNTIME as _RUNTIME
+from .runtime.job_log import run_module as _run_module
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "PatchError", "ConfigError", "MatrixError", "status", "apply", "revert", "detect"]
@@ -40,22 +41,6 @@ def detect() -> dict[str, Any]:
     """Detected frameworks: version, location, source and flavor, read without importing them."""
     _RUNTIME.ensure_prepared()
     return {name: info.as_dict() for name, info in _RUNTIME.snapshot().frameworks.items()}
-
-
-def _run_module(argv: list) -> str | None:
-    """The module ``python [options] -m MODULE`` runs, however the options are spelled (``-mMOD``,
-    ``-Im MOD``, ``-X opt -m MOD``); None for ``-c`` or a script."""
-    args = iter(argv[1:])
-    for arg in args:
-        if not arg.startswith("-") or arg in ("-", "--"):
-            return None
-        for i, flag in enumerate(arg[1:], 1):
-            if flag in "WX" or flag in "mc":          # the rest of the word, or the next one, is its value
-                value = arg[i + 1:] or next(args, "")
-                if flag in "mc":
-                    return value if flag == "m" else None
-                break
-    return None
 
 
 def _started_as_cli() -> bool:

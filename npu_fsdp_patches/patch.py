@@ -8,7 +8,7 @@ never writes its own undo code.
 
 A patch declares its replacements in ``factories``: target attribute (the last part of the
 qualified name) -> ``factory(original) -> replacement``. The core checks the matrix against these
-declarations when it arms the patch (:mod:`npu_fsdp_patches.verify`), before any target is imported,
+declarations when it arms the patch (:mod:`npu_fsdp_patches.runtime.verify`), before any target is imported,
 and marks every replacement the one way (:func:`mark`), so :func:`unpatched` finds the original.
 
 Replacements are transparent (docs/design.md#31-activation): a factory returns a plain function, and
@@ -18,13 +18,14 @@ original's parameters. A plain function, rather than a ``wrapt.FunctionWrapper``
 reference natively and is inlined by torch.compile; one replacement is built per original (all
 ``from x import f`` copies that the matrix lists hold the same object, which is what pickle finds
 at the original's qualified name), and its frame is kept out of torch.compile's frame-level tracing
-(:mod:`npu_fsdp_patches.frames`), so a compiled step breaks its graph exactly where the unpatched one does.
+(:mod:`npu_fsdp_patches.runtime.frames`, when the runtime installs it), so a compiled step breaks its
+graph exactly where the unpatched one does.
 
 A target is ``"module.path:Qualified.name"``; a trailing ``?`` marks it optional (absent in some
 framework generations). The built-in patches are the subclasses defined in ``patches/``; third-party
 ones register in the entry-point group ``npu_fsdp_patches.patches`` (entry-point name = patch name =
 matrix key). ``name``, ``self_test`` and the class docstring are read from the source too
-(:mod:`npu_fsdp_patches.declarations`), so they are literals.
+(:mod:`npu_fsdp_patches.plan.declarations`), so they are literals.
 """
 from __future__ import annotations
 
@@ -158,6 +159,12 @@ class Patch:
     #: target attribute -> factory(original) -> replacement; every matrix target needs an entry
     factories: ClassVar[Mapping[str, Callable[[Any], Any]]] = {}
 
+    def factory_globals(self, symbol: str) -> dict | None:
+        """The namespace of the module that defines the factory of ``symbol`` (the runtime keeps the
+        frames of code defined there out of torch.compile's frame-level tracing); None without one."""
+        factory = self.factories.get(target_attribute(symbol))
+        return getattr(getattr(factory, "func", factory), "__globals__", None)
+
     def replacement(self, symbol: str, original: Any) -> Any:
         """Return the object to install in place of ``original`` at ``symbol`` ("module:qualname").
 
@@ -182,7 +189,5 @@ class Patch:
         if inherited:   # pickle looks a function up by its own names: give the place it is installed at
             function = getattr(replacement, "__func__", replacement)
             function.__module__, function.__qualname__ = module, qualname
-        from .frames import skip_frames   # pylint: disable=C0415
-        skip_frames(replacement, getattr(getattr(factory, "func", factory), "__globals__", None))
         built[key] = (original, replacement)
         return replacement

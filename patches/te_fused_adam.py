@@ -131,7 +131,7 @@ def _hooked_step(original):
     step = looks_like(_step(inner), inner)
     hooked = torch.optim.Optimizer.profile_hook_step(step)
     hooked.hooked = True
-    hooked._npu_fsdp_inner = step   # our frame inside torch's wrapper (npu_fsdp_patches.frames)
+    hooked._npu_fsdp_inner = step   # our frame inside torch's wrapper (npu_fsdp_patches.runtime.frames)
     return hooked
 
 

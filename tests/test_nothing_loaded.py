@@ -7,7 +7,7 @@ tests/children/nothing_loaded.py.
 """
 import pytest
 
-from npu_fsdp_patches.matrix import load_matrix
+from npu_fsdp_patches.plan.matrix import load_matrix
 from tests.support import REPO_ROOT, install_fixture, run_case
 from tests.te_real import require_tenpu_site
 

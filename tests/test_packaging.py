@@ -37,8 +37,8 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
     root, venv = fresh_venv
     python = venv / "bin" / "python"
     clean_env = {"PATH": "/usr/bin:/bin", "HOME": str(root)}
-    probe = ("import json, npu_fsdp_patches as n; from npu_fsdp_patches.loader import builtin_table; "
-             "from npu_fsdp_patches.matrix import SHIPPED_MATRIX; "
+    probe = ("import json, npu_fsdp_patches as n; from npu_fsdp_patches.plan.loader import builtin_table; "
+             "from npu_fsdp_patches.plan.matrix import SHIPPED_MATRIX; "
              "print(json.dumps({'names': sorted(r['name'] for r in n.status()), "
              "'builtins': sorted(builtin_table()), 'matrix': str(SHIPPED_MATRIX.resolve())}))")
     checkout = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, cwd=root,
@@ -92,7 +92,7 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
 
 
 def test_pyproject_registers_no_builtin_in_the_patch_entry_point_group():
-    """The built-ins are derived from patches/ (tests/test_patch_declarations.py); the group is for
+    """The built-ins are derived from patches/ (tests/plan/test_patch_declarations.py); the group is for
     third-party patches only, so no second list of the built-ins can drift."""
     text = (REPO_ROOT / "pyproject.toml").read_text()
     assert '[project.entry-points."npu_fsdp_patches.patches"]' not in text

@@ -10,12 +10,12 @@ import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from npu_fsdp_patches.decide import check_condition, decide
-from npu_fsdp_patches.detect import Detected
+from npu_fsdp_patches.plan.decide import check_condition, decide
+from npu_fsdp_patches.plan.detect import Detected
 from npu_fsdp_patches.errors import MatrixError
-from npu_fsdp_patches.matrix import Condition, load_matrix, parse_matrix
-from npu_fsdp_patches.settings import parse_settings
-from npu_fsdp_patches.torch_support import supported_torch, torch_findings, verified_torch
+from npu_fsdp_patches.plan.matrix import Condition, load_matrix, parse_matrix
+from npu_fsdp_patches.plan.settings import parse_settings
+from npu_fsdp_patches.plan.torch_support import supported_torch, torch_findings, verified_torch
 from tests.support import REPO_ROOT, VERIFIED_TORCH as VERIFIED
 
 SHIPPED = load_matrix()

@@ -7,12 +7,12 @@ import json
 
 import torch
 
-from npu_fsdp_patches.decide import public_version
+from npu_fsdp_patches.plan.decide import public_version
 from tests.support import VERIFIED_TORCH as VERIFIED, run_python
 
 _WARNINGS = """
 import json
-from npu_fsdp_patches.doctor import collect
+from npu_fsdp_patches.cli.doctor import collect
 report = collect()
 print(json.dumps([report["frameworks"]["torch"]["version"], report["warnings"]]))
 """

@@ -1,11 +1,11 @@
 """The matrix's `verified` lists say what the suite runs (issue 31): doctor's "in range but not verified
 by the test suite" and explain's "Verified:" read them. A flavoured framework lists its versions per
 flavour, since TENPU 0.1.0 and an NVIDIA TE release are different code."""
-from npu_fsdp_patches.decide import decide
-from npu_fsdp_patches.detect import Detected
-from npu_fsdp_patches.matrix import load_matrix
-from npu_fsdp_patches.render import explain_text
-from npu_fsdp_patches.settings import parse_settings
+from npu_fsdp_patches.plan.decide import decide
+from npu_fsdp_patches.plan.detect import Detected
+from npu_fsdp_patches.plan.matrix import load_matrix
+from npu_fsdp_patches.cli.render import explain_text
+from npu_fsdp_patches.plan.settings import parse_settings
 from tests.te_real import RELEASES
 from tests.test_te_real import _TE_PATCHES, APPLIED, INITIALIZE_STATE
 

@@ -23,9 +23,9 @@ from typing import List
 
 import torch
 
-from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor, torch_dtensor_type
 from .fused_adam_state import (FLOAT_DTYPES, check_dtensor_param, check_grad, check_plain_param, dtensor_problem,
                                dtensor_rules, get_unscaled, initialize, set_scaled, state_dtype)
+from .tensors import contiguous_operands, copy_back, is_foreign_dtensor, local_tensor, torch_dtensor_type
 
 _F32 = torch.float32
 

@@ -39,8 +39,8 @@ from ._main_params_build import (check_params, leaf_optimizers, record_wrap, res
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
                                  merge_rfc_section, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
-from ._rollback import Rollback
 from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
+from ._rollback import Rollback
 from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
 
 __all__ = ["MainParamsOptimizer", "Float16OptimizerWithFloat16Params", "leaf_optimizers",

@@ -19,8 +19,8 @@ import traceback
 from typing import Callable, Optional
 
 from . import checks
-from .options import Plan, job_env
 from .checks.plant import misbehave, planted
+from .options import Plan, job_env
 
 
 class StatusFile:

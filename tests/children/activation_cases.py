@@ -1,4 +1,4 @@
-"""Child side of tests/test_activation_environments.py: activation where the process changes under it
+"""Child side of tests/runtime/test_activation_environments.py: activation where the process changes under it
 (a framework put on sys.path after activation, MindSpeed's placeholder modules, os.chdir before a
 spawned worker, the plugin imported from a zip)."""
 import os
@@ -16,7 +16,7 @@ def framework_added_after_activation(late_site: str, autoload: bool) -> dict:
     if autoload:
         import torch  # noqa: F401 - torch's autoload activates the plugin
     import npu_fsdp_patches
-    from npu_fsdp_patches.runtime import RUNTIME
+    from npu_fsdp_patches.runtime.facade import RUNTIME
     autoloaded = "npu_fsdp_patches" in sys.modules
     before = _status()["demo_shout"]
     sys.path.insert(0, late_site)
@@ -84,7 +84,7 @@ def relative_matrix_spawned(workdir: str, elsewhere: str) -> dict:
 
 def matrix_state() -> dict:
     import npu_fsdp_patches  # noqa: F401
-    from npu_fsdp_patches.runtime import RUNTIME
+    from npu_fsdp_patches.runtime.facade import RUNTIME
     snap = RUNTIME.snapshot()
     return {"error": snap.config_error, "matrix": snap.matrix.path if snap.matrix else None,
             "patches": sorted(r["name"] for r in snap.records), "cwd": os.getcwd()}
@@ -94,6 +94,6 @@ def plugin_from_zip(checkout: str) -> dict:
     """Import the plugin from the zip that precedes the checkout on sys.path ('' is the checkout)."""
     sys.path[:] = [p for p in sys.path if p not in ("", checkout)]
     import npu_fsdp_patches
-    from npu_fsdp_patches.runtime import RUNTIME
+    from npu_fsdp_patches.runtime.facade import RUNTIME
     return {"file": npu_fsdp_patches.__file__, "error": RUNTIME.snapshot().config_error,
             "patches": {name: r["state"] for name, r in _status().items()}}

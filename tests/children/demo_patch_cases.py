@@ -11,9 +11,9 @@ import socket
 def builtins() -> dict:
     """The built-in table the copy derives, where from, and whether it was stored for the next run."""
     import npu_fsdp_patches  # noqa: F401  (activation derives the table)
-    from npu_fsdp_patches import loader
+    from npu_fsdp_patches.plan import loader
 
-    from npu_fsdp_patches import matrix_cache
+    from npu_fsdp_patches.plan import matrix_cache
 
     locations = matrix_cache._locations("builtin_patches")  # pylint: disable=W0212  (where it is stored)
     return {"table": loader.builtin_table(), "table_from": loader._builtin_path(),  # pylint: disable=W0212
@@ -28,8 +28,8 @@ def _record(name: str) -> dict:
 def lifecycle() -> dict:
     """Decision, provenance, apply on import, explain, doctor, revert of ``demo_exclaim``."""
     import npu_fsdp_patches
-    from npu_fsdp_patches.cli import main
-    from npu_fsdp_patches.doctor import collect
+    from npu_fsdp_patches.cli.commands import main
+    from npu_fsdp_patches.cli.doctor import collect
 
     record = _record("demo_exclaim")
     out = {"decision": [record["decision"], record["reason"]], "provenance": record["provenance"],
@@ -55,7 +55,7 @@ def self_test() -> dict:
         port = s.getsockname()[1]
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "demo",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    from npu_fsdp_patches.cli import main
+    from npu_fsdp_patches.cli.commands import main
     from npu_fsdp_patches.selftest.checks import CHECKS
 
     text = io.StringIO()

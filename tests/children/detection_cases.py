@@ -1,4 +1,4 @@
-"""Child side of tests/test_detect_installs.py: detection, status and doctor in a fresh interpreter
+"""Child side of tests/plan/test_detect_installs.py: detection, status and doctor in a fresh interpreter
 whose sys.path holds the fixture sites the test built."""
 import importlib.metadata
 import json
@@ -24,7 +24,7 @@ def undecodable_metadata(autoload: bool) -> dict:
     if autoload:
         import torch  # noqa: F401 - torch's autoload activates the plugin
     import npu_fsdp_patches
-    from npu_fsdp_patches.doctor import collect
+    from npu_fsdp_patches.cli.doctor import collect
     report = json.loads(json.dumps(collect(), default=str))
     return {"autoloaded": autoload and "npu_fsdp_patches" in sys.modules,
             "status": npu_fsdp_patches.status(), "te": npu_fsdp_patches.detect()["transformer_engine"],

@@ -1,4 +1,4 @@
-"""Child side of tests/test_foreign_wrappers.py: hp_skip_dispatch_adamw next to other patchers
+"""Child side of tests/runtime/test_foreign_wrappers.py: hp_skip_dispatch_adamw next to other patchers
 (hyper-parallel stand-in installed, so the patch applies at ``import torch`` through autoload)."""
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def mindspeed_case(plugin_first: bool) -> dict:
     import torch.optim.adam as A
     import mindspeed.megatron_adaptor as adaptor
     import npu_fsdp_patches
-    from npu_fsdp_patches.render import _why
+    from npu_fsdp_patches.cli.render import _why
     out = {"applied": _record()["state"]}
     del adaptor.calls[:]
     _step()

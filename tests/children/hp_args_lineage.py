@@ -21,7 +21,7 @@ def _args(foreach):
 
 
 def _cli(*argv):
-    from npu_fsdp_patches.cli import main
+    from npu_fsdp_patches.cli.commands import main
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         main(list(argv))

@@ -1,4 +1,4 @@
-"""A torchrun job for tests/test_job_messages.py: each rank imports torch (autoload activates the plugin),
+"""A torchrun job for tests/runtime/test_job_messages.py: each rank imports torch (autoload activates the plugin),
 imports the demo target and reads a DataLoader with 2 spawned workers, each of which activates the plugin
 again and imports the target too. The test counts the plugin's lines in the job's combined output."""
 import os

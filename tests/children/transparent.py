@@ -1,4 +1,4 @@
-"""Child side of tests/test_transparent_wrappers.py: one fresh interpreter per environment.
+"""Child side of tests/runtime/test_transparent_wrappers.py: one fresh interpreter per environment.
 
 ``surface`` reports what a user sees of each target (signature, names, docstring, innermost
 ``__wrapped__``, pickling by reference); ``optim_bits`` the bits of every ``npu_fsdp_patches.optim``

@@ -4,7 +4,7 @@ Two sources. A standalone check (the ``optim`` numerics) is a module here with `
 (run order) and ``run(ctx) -> dict`` (figures; ``{"skipped": why}`` to stand down). A patch's check
 is what the patch class declares in ``self_test`` (npu_fsdp_patches/patch.py), wherever its code
 lives; it runs only where the plugin enabled that patch. Both are read from source
-(:mod:`npu_fsdp_patches.declarations`), so importing this package imports no torch: the check
+(:mod:`npu_fsdp_patches.plan.declarations`), so importing this package imports no torch: the check
 modules are imported by the ranks that run them.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _standalone() -> dict:
 
 def _declared_by_patches() -> dict:
     """name -> (order, "module:function", patch) of every known patch's declared ``self_test``."""
-    from ... import declarations, loader  # pylint: disable=import-outside-toplevel
+    from ...plan import declarations, loader  # pylint: disable=import-outside-toplevel
 
     found = {}
     for provider in loader.available().values():

@@ -1,0 +1,33 @@
+"""Words that match the facts (issue 31): explain's near names for a misspelled patch, and the
+kill switch named as the user set it."""
+import json
+import os
+import subprocess
+import sys
+
+from npu_fsdp_patches.cli.render import unknown_patch_message
+
+
+def _cli(*args, **env):
+    child = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
+    child.update(env)
+    return subprocess.run([sys.executable, "-m", "npu_fsdp_patches", *args], capture_output=True, text=True,
+                          timeout=300, env=child)
+
+
+def test_explain_of_an_unknown_name_suggests_the_near_ones():
+    known = ["te_fused_adam_dtensor", "te_fused_adam_empty_scale", "hp_fp32_main_params"]
+    assert unknown_patch_message("te_fused_adam_dtensr", known) == (
+        "unknown patch 'te_fused_adam_dtensr'. Did you mean te_fused_adam_dtensor or te_fused_adam_empty_scale? Known: "
+        "hp_fp32_main_params, te_fused_adam_dtensor, te_fused_adam_empty_scale")
+    assert unknown_patch_message("zzz", known) == ("unknown patch 'zzz'; known: hp_fp32_main_params, "
+                                                   "te_fused_adam_dtensor, te_fused_adam_empty_scale")
+    proc = _cli("explain", "te_fused_adam")
+    assert proc.returncode == 2
+    assert "Did you mean te_fused_adam_dtensor or te_fused_adam_empty_scale" in proc.stderr, proc.stderr
+
+
+def test_doctor_names_the_kill_switch_as_it_was_set():
+    report = json.loads(_cli("doctor", "--json", NPU_FSDP_PATCHES="off").stdout)
+    reasons = {p["reason"] for p in report["patches"]}
+    assert reasons == {"NPU_FSDP_PATCHES=off (kill switch)"}, reasons
