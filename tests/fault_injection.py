@@ -7,6 +7,8 @@ A write is one call of a write primitive the optimizer code uses:
   ``torch._foreach_copy_``;
 * attributes of tensors (``p.main_param = ...``, ``p.grad = ...``) and of optimizers;
 * ``torch.optim.Optimizer.load_state_dict``;
+* the plugin's writes to a patch target (``npu_fsdp_patches.runtime.registry._put`` and ``_remove``:
+  apply, revert, a patch applied as its module is imported, late detection);
 * item writes on the optimizers' ``state``, their param-group dicts, the groups' ``params`` lists
   and FusedAdam's ``_scales`` (:func:`instrument` swaps these containers for counting subclasses
   *before* the snapshot, so the call sees, and the check compares, the very objects).
@@ -29,6 +31,8 @@ import contextlib
 import functools
 import hashlib
 import os
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -160,6 +164,13 @@ def faults(fail_at: int, mode: str = "after"):
     def foreach_copy(*args, **kwargs):
         return _count("torch._foreach_copy_", lambda: real_foreach_copy(*args, **kwargs))
 
+    registry = sys.modules.get("npu_fsdp_patches.runtime.registry")
+    real_put, real_remove = (registry._put, registry._remove) if registry is not None else (None, None)
+    if registry is not None:   # the plugin is active in this process: its target writes count too
+        registry._put = lambda owner, attr, value: _count(
+            f"bind {getattr(owner, '__name__', owner)}.{attr}", lambda: real_put(owner, attr, value))
+        registry._remove = lambda owner, attr: _count(
+            f"drop {getattr(owner, '__name__', owner)}.{attr}", lambda: real_remove(owner, attr))
     for name in _TENSOR_WRITES:
         setattr(torch.Tensor, name, tensor_method(name))
     torch.Tensor.__setattr__ = tensor_setattr
@@ -180,6 +191,8 @@ def faults(fail_at: int, mode: str = "after"):
             del torch.optim.Optimizer.__setattr__
         torch.optim.Optimizer.load_state_dict = real_load
         torch._foreach_copy_ = real_foreach_copy
+        if registry is not None:
+            registry._put, registry._remove = real_put, real_remove
 
 
 # ---- snapshots -------------------------------------------------------------------------------
@@ -232,6 +245,9 @@ def snapshot(handed: Any) -> dict[str, Any]:
                 snap(v, f"{path}[{i}]")
         elif isinstance(obj, (set, frozenset)):
             flat[path + ":items"] = sorted(map(repr, obj))
+        elif isinstance(obj, (types.ModuleType, type)):   # a patch's target module or class: what is bound
+            for k, v in sorted(vars(obj).items()):
+                flat[f"{path}.{k}"] = (type(v).__qualname__, id(v))
         elif isinstance(obj, torch.optim.Optimizer) or _is_chain(obj):
             for k, v in sorted(vars(obj).items()):
                 snap(v, f"{path}.{k}")
@@ -300,32 +316,44 @@ class Result:
     error: Optional[BaseException]   # what it raised by itself
 
 
-def check_entry(entry: Entry, mode: str = "after") -> Result:
+def run_once(entry: Entry, n: int, mode: str = "after") -> tuple[Optional[str], Optional[BaseException]]:
+    """One run of ``entry.call`` with write ``n`` failed: asserts the fault reached the caller and the
+    handed objects are unchanged after any exception; returns (the write that failed or None, the
+    exception raised)."""
+    handed = entry.setup()
+    instrument(handed)
+    before = picture(handed)
+    error = None
+    with faults(n, mode) as counter:
+        try:
+            entry.call(handed)
+        except BaseException as exc:   # noqa: BLE001 - every failure must leave things as they were
+            error = exc
+    if counter.fired is not None and not _carries_fault(error):
+        raise AssertionError(f"{entry.name} [{mode}]: write {n} ({counter.fired}) failed, but the "
+                             f"call {'succeeded' if error is None else f'raised {error!r}'}")
+    if error is not None:
+        diffs = differences(before, picture(handed))
+        if diffs:
+            what = counter.fired or f"no injection: {error!r}"
+            raise AssertionError(f"{entry.name} [{mode}]: after write {n} failed ({what}) the handed "
+                                 f"objects changed:\n  " + "\n  ".join(diffs))
+    return counter.fired, error
+
+
+def check_entry(entry: Entry, mode: str = "after",
+                run: Optional[Callable[[int], tuple]] = None) -> Result:
     """Fail write 1, 2, ... of ``entry.call`` until a run no longer reaches N; after every failed
-    run, assert the handed objects are unchanged. Returns the number of writes of a clean run."""
+    run, assert the handed objects are unchanged. Returns the number of writes of a clean run.
+    ``run(n)`` replaces :func:`run_once` where each run needs a fresh process (it then reports the
+    exception as text)."""
+    run = run or (lambda n: run_once(entry, n, mode))
     n = 1
     while n <= LIMIT:
-        handed = entry.setup()
-        instrument(handed)
-        before = picture(handed)
-        error = None
-        with faults(n, mode) as counter:
-            try:
-                entry.call(handed)
-            except BaseException as exc:   # noqa: BLE001 - every failure must leave things as they were
-                error = exc
-        if counter.fired is not None and not _carries_fault(error):
-            raise AssertionError(f"{entry.name} [{mode}]: write {n} ({counter.fired}) failed, but the "
-                                 f"call {'succeeded' if error is None else f'raised {error!r}'}")
-        if error is not None:
-            diffs = differences(before, picture(handed))
-            if diffs:
-                what = counter.fired or f"no injection: {error!r}"
-                raise AssertionError(f"{entry.name} [{mode}]: after write {n} failed ({what}) the handed "
-                                     f"objects changed:\n  " + "\n  ".join(diffs))
-        if counter.fired is None:
+        fired, error = run(n)
+        if fired is None:
             if entry.raises is None and error is not None:
-                raise AssertionError(f"{entry.name}: expected success, got {error!r}") from error
+                raise AssertionError(f"{entry.name}: expected success, got {error!r}")
             if entry.raises is not None and not isinstance(error, entry.raises):
                 raise AssertionError(f"{entry.name}: expected {entry.raises.__name__}, got {error!r}")
             return Result(n - 1, error)

@@ -6,6 +6,7 @@ Adding an entry point is one line of ENTRIES.
 """
 import copy
 import functools
+import shutil
 import warnings
 
 import pytest
@@ -17,6 +18,7 @@ from npu_fsdp_patches.optim.main_params_checkpoint import load_checkpoint, save_
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, split_muon_adamw_params
 from tests.fault_injection import Entry, check_entry
 from tests.main_params_model import Net, backward, make
+from tests.support import install_fixture, run_case
 from tests.torch_versions import HAS_MUON
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -273,3 +275,43 @@ def test_the_harness_detects_a_swallowed_fault():
 
     with pytest.raises(AssertionError, match="call succeeded"):
         check_entry(Entry("swallow", _plain, swallow))
+
+
+# ---- the plugin's own entry points: apply, revert, on import, late detection ----------------------
+# They run where the plugin is active, in a child with the core_demo fixtures (tests/children/plugin_faults.py,
+# one Entry line each); late detection needs a fresh process per injected write.
+PLUGIN_ENTRIES = {"apply: two targets in one module": 2, "revert: two targets in one module": 2,
+                  "apply as the module is imported": 3}   # name: target writes (demo_child adds Child.run)
+
+
+@pytest.mark.parametrize("mode", ["after", "before"])
+@pytest.mark.parametrize("name", PLUGIN_ENTRIES)
+def test_a_failed_apply_or_revert_changes_no_target(name, mode, demo_site):
+    writes = run_case("tests.children.plugin_faults:check", args={"name": name, "mode": mode},
+                      paths=[demo_site], env={"NPU_FSDP_PATCHES_MATRIX": str(demo_site / "demo_matrix.yaml")})
+    assert writes == PLUGIN_ENTRIES[name]   # each target write failed in turn, before and after it is made
+
+
+@pytest.mark.parametrize("mode", ["after", "before"])
+def test_a_failed_late_detection_changes_no_target(mode, tmp_path):
+    site = install_fixture("core_demo", tmp_path)
+    late = tmp_path / "late"
+    late.mkdir()
+    for name in ("demo_target", "demo_framework-1.2.0.dist-info"):
+        shutil.move(str(site / name), str(late / name))
+
+    def run(n):
+        out = run_case("tests.children.plugin_faults:late_once", args={"late_site": str(late), "n": n, "mode": mode},
+                       paths=[site], env={"NPU_FSDP_PATCHES_MATRIX": str(site / "demo_matrix.yaml")})
+        return out["fired"], out["error"]
+
+    entry = Entry("late detection", dict, lambda h: None)
+    assert check_entry(entry, mode, run=run).writes == 3   # greet, Engine.run, Child.run (demo_child)
+
+
+def test_the_harness_detects_a_half_applied_module(demo_site):
+    """Negative control for the plugin entries: a revert that raises after restoring one of two targets,
+    with no rollback, is caught (the registry's reinstall disabled)."""
+    with pytest.raises(AssertionError, match="changed"):
+        run_case("tests.children.plugin_faults:check_without_rollback", paths=[demo_site],
+                 env={"NPU_FSDP_PATCHES_MATRIX": str(demo_site / "demo_matrix.yaml")})

@@ -283,6 +283,28 @@ class Lifecycle:
             todo.append(name)
         return todo, None
 
+    def _restore_all(self, name: str, installed: list) -> list:
+        """Restore every target of ``name`` (live and retired), all or none: a restore that raises
+        midway puts back the replacements already taken out, and the patch stays applied."""
+        done: list = []
+        try:
+            with swap_guard():
+                errors = []
+                for symbol in installed:
+                    error = self.registry.restore(symbol)
+                    errors += [error] if error else []
+                    done += [] if error else [symbol]
+                errors += self.registry.restore_retired(name)
+        except Exception as exc:
+            with swap_guard():
+                for symbol in reversed(done):
+                    self.registry.reinstall(symbol)
+            raise PatchError(f"patch {name} not reverted: {type(exc).__name__}: {exc}; every target still "
+                             f"holds its replacement", patch=name) from exc
+        finally:
+            self.registry.rebind_copies()
+        return errors
+
     def revert(self, names: list) -> list:
         """Restore the originals of the named patches (under the lock); their status records."""
         names = names or [n for n in self.records if self.registry.installed_for(n)
@@ -301,10 +323,7 @@ class Lifecycle:
                 refused.append(f"patch {name} not reverted: {'; '.join(stacked)}")
                 log.warning("%s", refused[-1])
                 continue
-            with swap_guard():
-                errors = [e for s in installed if (e := self.registry.restore(s))]
-                errors += self.registry.restore_retired(name)
-            self.registry.rebind_copies()
+            errors = self._restore_all(name, installed)
             if retired and not self.registry.retired_for(name):
                 record.note = None
             record.mark_reverted("; ".join(errors) or None)

@@ -116,6 +116,24 @@ def _current(resolved: Resolved) -> Any:
     return getattr(owner, attr, None)
 
 
+def _put(owner: Any, attr: str, value: Any) -> None:
+    """The one write the plugin makes to a target: bind ``value`` at ``owner.attr`` (the fault-injection
+    harness, tests/fault_injection.py, fails these one by one)."""
+    setattr(owner, attr, value)
+
+
+def _remove(owner: Any, attr: str) -> None:
+    """The other write: drop ``owner.attr`` (the original was inherited, not the owner's own)."""
+    delattr(owner, attr)
+
+
+def _put_back(resolved: Resolved) -> None:
+    if resolved.had_own:
+        _put(resolved.owner, resolved.attr, resolved.original)
+    else:
+        _remove(resolved.owner, resolved.attr)
+
+
 class Registry:
     """All installed replacements, keyed by target symbol; first original wins."""
 
@@ -139,7 +157,12 @@ class Registry:
         if entry is not None and entry.resolved.owner is resolved.owner and not entry.installed \
                 and _current(entry.resolved) is entry.resolved.original:
             resolved = entry.resolved        # re-apply after revert: keep the first original
-        setattr(resolved.owner, resolved.attr, replacement)
+        try:
+            _put(resolved.owner, resolved.attr, replacement)
+        except BaseException:
+            if _current(resolved) is replacement:   # bound, then failed (an owner's __setattr__): undone
+                _put_back(resolved)
+            raise
         self._saved[resolved.target.symbol] = Saved(patch, resolved, replacement)
 
     def restore(self, symbol: str) -> str | None:
@@ -155,13 +178,21 @@ class Registry:
             return f"{symbol} was replaced by someone else after apply; left alone"
         if _above(_current(resolved), entry.replacement):
             raise RuntimeError(self.stacked_on(symbol))
-        if resolved.had_own:
-            setattr(resolved.owner, resolved.attr, resolved.original)
-        else:
-            delattr(resolved.owner, resolved.attr)
+        try:
+            _put_back(resolved)
+        except BaseException:
+            if _current(resolved) is not entry.replacement:   # taken out, then failed: put back
+                _put(resolved.owner, resolved.attr, entry.replacement)
+            raise
         entry.installed = False
         self._rebinds.append((entry.replacement, resolved.original))
         return None
+
+    def reinstall(self, symbol: str) -> None:
+        """Undo :meth:`restore` of ``symbol`` (a revert that failed midway puts back what it took)."""
+        entry = self._saved[symbol]
+        _put(entry.resolved.owner, entry.resolved.attr, entry.replacement)
+        entry.installed = True
 
     def rebind_copies(self) -> None:
         """Point module-level copies of replacements restored since the last call (``from x import
@@ -259,7 +290,18 @@ class Registry:
     def restore_retired(self, patch: str) -> list:
         """Put the originals back on the earlier module objects of ``patch``'s targets; the texts of
         what could not be restored (a foreign wrapper stacked on ours stays, as in :meth:`restore`)."""
-        errors, kept = [], []
+        errors, kept, done = [], [], []
+        try:
+            self._restore_retired(patch, errors, kept, done)
+        except BaseException:
+            for entry in reversed(done):   # all or nothing, as for the live module's targets
+                _put(entry.resolved.owner, entry.resolved.attr, entry.replacement)
+                entry.installed = True
+            raise
+        self._retired = kept
+        return errors
+
+    def _restore_retired(self, patch: str, errors: list, kept: list, done: list) -> None:
         for entry in self._retired:
             if entry.patch != patch:
                 kept.append(entry)
@@ -272,14 +314,10 @@ class Registry:
                               f"{' over '.join(describe(x) for x in _above(current, entry.replacement))}; left alone")
                 kept.append(entry)
                 continue
-            if resolved.had_own:
-                setattr(resolved.owner, resolved.attr, resolved.original)
-            else:
-                delattr(resolved.owner, resolved.attr)
+            done.append(entry)   # before the write: a write that binds, then fails, is undone too
+            _put_back(resolved)
             entry.installed = False
             self._rebinds.append((entry.replacement, resolved.original))
-        self._retired = kept
-        return errors
 
     def forget(self, symbol: str) -> None:
         """Mark an entry not installed without touching the target (its module object is gone)."""
