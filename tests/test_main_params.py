@@ -438,3 +438,20 @@ def test_model_loaded_after_wrapping_is_not_overwritten_by_torchs_priming_step()
     for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
         assert torch.equal(p.main_param, p.float()), name
+
+
+def test_upstream_state_dict_moves_each_main_param_into_the_section_only():
+    """docs/main_params.md §2.1: torch's flattened layout, the main params (the live tensors) only in the
+    section, keyed by FQN; a plain optimizer is refused by name."""
+    from npu_fsdp_patches.optim import upstream_state_dict
+    model, _, wrapper = make(torch.bfloat16)
+    backward(model)
+    wrapper.step()
+    sd = upstream_state_dict(model, wrapper)
+    section = sd["_mixed_precision_optimizer"]["fp32_from_fp16_params"]
+    assert sorted(section) == sorted(n for n, p in model.named_parameters() if p.dtype == torch.bfloat16)
+    assert all(section[n] is wrapper.main_params_by_fqn()[n] for n in section)
+    assert not [k for k in sd if k.endswith(".main_param")]
+    assert any(k.startswith("state.") and k.endswith(".exp_avg") for k in sd)
+    with pytest.raises(TypeError, match="expected a MainParamsOptimizer, got AdamW"):
+        upstream_state_dict(model, torch.optim.AdamW(model.parameters()))

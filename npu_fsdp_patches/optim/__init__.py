@@ -18,6 +18,7 @@ if TYPE_CHECKING:   # the same names for type checkers and editors; never run
     from .main_params_checkpoint import load_checkpoint, save_checkpoint
     from .model_dtype import apply_model_init_dtype, validate_fp32_main_params_config
     from .muon_routing import OptimizerChain, build_muon_adamw, split_muon_adamw_params
+    from .upstream_layout import upstream_state_dict
 
 #: public name -> the module of this package that defines it
 _EXPORTS = {
@@ -33,6 +34,7 @@ _EXPORTS = {
     "build_muon_adamw": "muon_routing",
     "split_muon_adamw_params": "muon_routing",
     "OptimizerChain": "muon_routing",
+    "upstream_state_dict": "upstream_layout",
 }
 
 __all__ = sorted(_EXPORTS)

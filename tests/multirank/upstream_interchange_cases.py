@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -229,12 +229,10 @@ def upstream_chain_to_ours(rank, world, tmp):
 
 
 def as_upstream_chain_state(model, opt):
-    """The recipe of docs/main_params.md §2.1 for upstream's multi-leaf wrapper: torch's flattened
-    FQN layout, each main param moved into the section."""
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    suffix = ".main_param"
-    mains = {k[len("state."):-len(suffix)]: osd.pop(k) for k in list(osd) if k.endswith(suffix)}
-    return {**osd, SECTION: {MAINS: mains}}
+    """docs/main_params.md §2.1 for upstream's multi-leaf wrapper: ``upstream_state_dict`` (torch's
+    flattened FQN layout, each main param moved into the section)."""
+    from npu_fsdp_patches.optim import upstream_state_dict
+    return upstream_state_dict(model, opt)
 
 
 def ours_chain_to_upstream_chain(rank, world, tmp):
