@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tests.support import install_fixture, run_python
@@ -53,3 +54,14 @@ def run_demo(tmp_path: Path, code: str, *, matrix: str = "demo_matrix.yaml", che
     proc = run_python(PRELUDE + code, paths=[site], env=demo_env(site, matrix, **env), check=check)
     lines = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     return (json.loads(lines[-1]) if lines else None), proc
+
+
+def late_demo_site(tmp_path: Path) -> tuple[Path, Path]:
+    """The demo fixtures with the demo framework moved to a second folder: (the site, the late folder)
+    for a framework put on sys.path after activation."""
+    site = install_fixture("core_demo", tmp_path)
+    late = tmp_path / "late"
+    late.mkdir()
+    for name in ("demo_target", "demo_framework-1.2.0.dist-info"):
+        shutil.move(str(site / name), str(late / name))
+    return site, late

@@ -22,8 +22,15 @@ class Net(nn.Module):
 
 
 def make(dtype=torch.bfloat16, seed=0):
-    """Muon + AdamW by the routing rule. Without torch.optim.Muon (torch < 2.9) the Muon-routed
-    params get a momentum SGD, which keeps a ``momentum_buffer`` state as Muon does."""
+    """Muon + AdamW by the routing rule, wrapped (see :func:`make_chain`)."""
+    model, chain = make_chain(dtype, seed)
+    return model, chain, MainParamsOptimizer(chain, model)
+
+
+def make_chain(dtype=torch.bfloat16, seed=0):
+    """A model and its unwrapped Muon + AdamW chain by the routing rule. Without torch.optim.Muon
+    (torch < 2.9) the Muon-routed params get a momentum SGD, which keeps a ``momentum_buffer`` state
+    as Muon does."""
     torch.manual_seed(seed)
     model = apply_model_init_dtype(Net(), dtype)
     if HAS_MUON:
@@ -32,7 +39,7 @@ def make(dtype=torch.bfloat16, seed=0):
         muon, adamw = split_muon_adamw_params(model.named_parameters())
         chain = OptimizerChain({"adamw": torch.optim.AdamW(adamw, lr=1e-3),
                                 "muon": torch.optim.SGD(muon, lr=0.02, momentum=0.95)})
-    return model, chain, MainParamsOptimizer(chain, model)
+    return model, chain
 
 
 def backward(model, seed=0):

@@ -6,7 +6,6 @@ Adding an entry point is one line of ENTRIES.
 """
 import copy
 import functools
-import shutil
 import warnings
 
 import pytest
@@ -17,8 +16,9 @@ from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer, apply_model_i
 from npu_fsdp_patches.optim.main_params_checkpoint import load_checkpoint, save_checkpoint
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, split_muon_adamw_params
 from tests.fault_injection import Entry, check_entry
-from tests.main_params_model import Net, backward, make
-from tests.support import install_fixture, run_case
+from tests.main_params_model import Net, backward, make, make_chain
+from tests.core_demo import late_demo_site
+from tests.support import run_case
 from tests.torch_versions import HAS_MUON
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -60,14 +60,7 @@ def _with_f64():
 
 def _fresh_chain():
     """An unwrapped Muon + AdamW chain over a bf16 model, with state from one step."""
-    torch.manual_seed(0)
-    model = apply_model_init_dtype(Net(), torch.bfloat16)
-    if HAS_MUON:
-        chain = build_muon_adamw(model, muon_kwargs={"lr": 0.02}, adamw_kwargs={"lr": 1e-3})
-    else:
-        muon, adamw = split_muon_adamw_params(model.named_parameters())
-        chain = OptimizerChain({"adamw": torch.optim.AdamW(adamw, lr=1e-3),
-                                "muon": torch.optim.SGD(muon, lr=0.02, momentum=0.95)})
+    model, chain = make_chain(torch.bfloat16)
     backward(model)
     chain.step()
     return {"model": model, "optimizer": chain}
@@ -294,11 +287,7 @@ def test_a_failed_apply_or_revert_changes_no_target(name, mode, demo_site):
 
 @pytest.mark.parametrize("mode", ["after", "before"])
 def test_a_failed_late_detection_changes_no_target(mode, tmp_path):
-    site = install_fixture("core_demo", tmp_path)
-    late = tmp_path / "late"
-    late.mkdir()
-    for name in ("demo_target", "demo_framework-1.2.0.dist-info"):
-        shutil.move(str(site / name), str(late / name))
+    site, late = late_demo_site(tmp_path)
 
     def run(n):
         out = run_case("tests.children.plugin_faults:late_once", args={"late_site": str(late), "n": n, "mode": mode},

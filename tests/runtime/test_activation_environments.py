@@ -6,16 +6,13 @@ import zipfile
 
 import pytest
 
+from tests.core_demo import late_demo_site
 from tests.support import REPO_ROOT, install_fixture, run_case
 
 
 @pytest.mark.parametrize("autoload", [False, True])
 def test_a_framework_put_on_sys_path_after_activation_is_detected_and_patched(tmp_path, autoload):
-    site = install_fixture("core_demo", tmp_path)
-    late = tmp_path / "late"
-    late.mkdir()
-    for name in ("demo_target", "demo_framework-1.2.0.dist-info"):
-        shutil.move(str(site / name), str(late / name))
+    site, late = late_demo_site(tmp_path)
     out = run_case("tests.children.activation_cases:framework_added_after_activation",
                    args={"late_site": str(late), "autoload": autoload}, paths=[site],
                    env={"NPU_FSDP_PATCHES_MATRIX": str(site / "demo_matrix.yaml")})
