@@ -455,3 +455,8 @@ def test_upstream_state_dict_moves_each_main_param_into_the_section_only():
     assert any(k.startswith("state.") and k.endswith(".exp_avg") for k in sd)
     with pytest.raises(TypeError, match="expected a MainParamsOptimizer, got AdamW"):
         upstream_state_dict(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_the_cast_check_compares_device_meshes_by_value():
+    from tests.distributed import run_ranks
+    assert run_ranks("tests.multirank.main_params_cases:mesh_equal_by_value", 2) == [[True, True, False]] * 2

@@ -63,9 +63,12 @@ def validate_fp32_main_params_config(config: Any) -> None:
 
 
 def _layout(t: torch.Tensor) -> tuple | None:
+    """Mesh and placements, compared by value: torch's sharding-propagation cache may hand a cast
+    DTensor an equal mesh object created earlier (DeviceMesh defines ``==``; a mesh type without it
+    compares by identity)."""
     if not is_any_dtensor(t):
         return None
-    return (id(t.device_mesh), tuple(t.placements))
+    return (t.device_mesh, tuple(t.placements))
 
 
 def apply_model_init_dtype(model: nn.Module, dtype: Any) -> nn.Module:

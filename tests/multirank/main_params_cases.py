@@ -377,3 +377,17 @@ def dtype_layout_case(rank, world):
     F.cross_entropy(model(ids).float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
     return True
+
+
+def mesh_equal_by_value(rank, world):
+    """``apply_model_init_dtype``'s layout check compares meshes by value: an equal mesh object made
+    later (as torch's sharding cache may hand a cast DTensor) is the same layout, another mesh is not."""
+    from npu_fsdp_patches.optim.model_dtype import _layout
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+    first = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    again = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("dp",))
+    other = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    local = torch.zeros(2, 3)
+    a, b, c = (DTensor.from_local(local, mesh, [Shard(0)]) for mesh in (first, again, other))
+    return [again is not first, _layout(a) == _layout(b), _layout(a) == _layout(c)]
