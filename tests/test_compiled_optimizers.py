@@ -108,3 +108,29 @@ def test_inductor_subset_within_stated_bound():
     assert len(results) == len(INDUCTOR_CASES)
     for name, result in results.items():
         _check_case(name, result)
+
+
+def _fusion_runs(world):
+    cases = [["main_params_fusion_case", {}], ["main_params_fusion_case", {"hooked": True}]]
+    return run_ranks(TARGET, world, args={"cases": cases}, timeout=600)[0]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_main_params_step_is_one_graph(world):
+    """docs/performance.md#compiled-steps: over one torch AdamW whose state exists, a compiled wrapper step
+    is one graph holding the grad cast, the update and the copy back (so inductor fuses them); the first
+    step (state creation) and a leaf with step hooks take the ordinary path, hooks firing."""
+    results = _fusion_runs(world)
+    fused = results["main_params_fusion_case:"]
+    first, second = fused["graphs"][0], fused["graphs"][1]
+    assert len(first) > 1, first                      # the leaf's own step: _use_grad breaks
+    assert len(second) == 1, second                   # cast + update + copy back, one graph
+    (ops,) = second
+    assert {"_foreach_copy_", "copy_", "empty_like", "_foreach_addcdiv_"} <= set(ops), ops
+    assert fused["graphs"][2] == [], "no recompile after the first fused step"
+    assert fused["main_grads"][0] == [True] * len(fused["main_grads"][0])   # ordinary path: fp32 grads kept
+    assert not any(fused["main_grads"][1]) and not any(fused["main_grads"][2])   # fused: never materialised
+    hooked = results["main_params_fusion_case:hooked=True"]
+    assert hooked["fired"] == 3
+    assert all(len(g) > 1 or g == [] for g in hooked["graphs"]), hooked["graphs"]
+    assert all(all(m) for m in hooked["main_grads"])

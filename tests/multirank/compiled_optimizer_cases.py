@@ -302,3 +302,36 @@ def suite(rank, world, cases):
     """Run several ``[name, kwargs]`` cases in one launch (one interpreter per rank for all of them)."""
     return {f"{name}:{','.join(f'{k}={v}' for k, v in sorted(kwargs.items()))}":
             globals()[name](rank, world, **kwargs) for name, kwargs in cases}
+
+
+def main_params_fusion_case(rank, world, hooked=False):
+    """What a compiled ``MainParamsOptimizer.step`` over one torch AdamW traces, step by step: the graphs
+    dynamo hands the backend (the call targets in each), whether the main params keep a grad after the step
+    and how often a step pre-hook on the leaf fired (``hooked``: the leaf's step must then run as itself)."""
+    mesh = _mesh(world)
+    model = _model(world, mesh, torch.bfloat16)
+    opt = MainParamsOptimizer(torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW), model)
+    fired = []
+    if hooked:
+        opt.optimizer.register_step_pre_hook(lambda *args: fired.append(1))
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(sorted({n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                                for n in gm.graph.nodes if n.op in ("call_function", "call_method")}))
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend=backend)
+    graphs, main_grads = [], []
+    for i in range(STEPS):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(300 + i)).to(torch.bfloat16)
+        x = x[rank * 3:(rank + 1) * 3] if world > 1 else x
+        F.mse_loss(model(x).float(), torch.zeros(x.shape[0], 7)).backward()
+        before = len(compiled)
+        step()
+        graphs.append(compiled[before:])
+        main_grads.append([opt.main_param(p).grad is not None for p in model.parameters()])
+        opt.zero_grad()
+    torch._dynamo.reset()
+    return {"graphs": graphs, "main_grads": main_grads, "fired": len(fired)}
