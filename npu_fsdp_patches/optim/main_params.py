@@ -252,6 +252,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``prepare_grads`` then ``step_with_ready_grads``. Compiled over one torch Adam/AdamW whose state
+        exists, the same step traced as one graph (:mod:`._main_params_fused`), which never stores the fp32
+        cast of a bf16 grad: ``main_param.grad`` is then ``None`` after the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
