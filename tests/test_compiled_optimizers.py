@@ -21,7 +21,11 @@ from tests.torch_versions import HAS_MUON
 
 TARGET = "tests.multirank.compiled_optimizer_cases:suite"
 AOT_CASES = [["foreach_case", {"dtype": "bfloat16"}], ["fused_case", {}], ["main_params_case", {}]]
-PLAIN_ONLY = [["foreach_case", {"dtype": "float32", "eager": True}]] + (
+#: the one-graph main-params step over other torch Adam/AdamW settings: Adam's coupled weight decay, amsgrad,
+#: maximize, foreach resolved by torch (None), the single-tensor path (foreach=False)
+OTHER_LEAVES = [["main_params_case", {"leaf": ["Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)]}],
+                ["main_params_case", {"leaf": ["AdamW", dict(lr=1e-2, weight_decay=0.1, foreach=False)]}]]
+PLAIN_ONLY = OTHER_LEAVES + [["foreach_case", {"dtype": "float32", "eager": True}]] + (
     [["main_params_case", {"muon": True}]] if HAS_MUON else [])   # Muon for the matrices, AdamW the rest
 #: the inductor subset: the two traced steps (FusedAdam's update is never traced, see fused_adam_step.py)
 INDUCTOR_CASES = [["foreach_case", {"dtype": "bfloat16", "backend": "inductor"}],

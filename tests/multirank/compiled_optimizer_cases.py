@@ -233,7 +233,7 @@ class _Fp32MasterReference:
     AdamW for the rest, by the same routing rule) on fp32 copies of the bf16 params, grads cast to fp32,
     results copied back; written with torch's own (DTensor) ops only."""
 
-    def __init__(self, model, muon):
+    def __init__(self, model, muon, leaf_factory=None):
         self.params = list(model.parameters())
         self.masters = [nn.Parameter(p.detach().float()) for p in self.params]
         master_of = {id(p): m for p, m in zip(self.params, self.masters)}
@@ -242,7 +242,8 @@ class _Fp32MasterReference:
             self.opts = [torch.optim.AdamW([master_of[id(p)] for p in to_adamw], foreach=True, **ADAMW),
                          torch.optim.Muon([master_of[id(p)] for p in to_muon], **MUON)]
         else:
-            self.opts = [torch.optim.AdamW(self.masters, foreach=True, **ADAMW)]
+            self.opts = [leaf_factory(self.masters) if leaf_factory
+                         else torch.optim.AdamW(self.masters, foreach=True, **ADAMW)]
 
     @torch.no_grad()
     def step(self):
@@ -262,10 +263,12 @@ def _state_tensors(state: dict) -> list:
     return [v for k, v in sorted(state.items()) if isinstance(v, torch.Tensor) and k != "main_param"]
 
 
-def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False):
+def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False,
+                     leaf=None):
     """compiled ``MainParamsOptimizer`` over AdamW (or Muon + AdamW, plain tensors) vs a compiled
     fp32-master reference; world 2 is ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or
-    fp32."""
+    fp32. ``leaf``: ``[class name, kwargs]`` of another torch optimizer for both (e.g. Adam with amsgrad)."""
+    leaf_factory = (lambda params: getattr(torch.optim, leaf[0])(params, **leaf[1])) if leaf else None
     mesh = _mesh(world)
     holder = {}
 
@@ -275,12 +278,13 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
             holder["model"] = model
             if ours:
                 leaf = (build_muon_adamw(model, muon_kwargs=MUON, adamw_kwargs={**ADAMW, "foreach": True})
-                        if muon else torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
+                        if muon else leaf_factory(model.parameters()) if leaf_factory
+                        else torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
                 opt = MainParamsOptimizer(leaf, model)
                 mains = [opt.main_param(p) for p in model.parameters()]
                 return opt.step, lambda: list(model.parameters()) + mains + [
                     t for p in model.parameters() for t in _state_tensors(opt.state[p])]
-            ref = _Fp32MasterReference(model, muon)
+            ref = _Fp32MasterReference(model, muon, leaf_factory)
             return ref.step, lambda: list(model.parameters()) + ref.masters + [
                 t for ts in ref.states() for t in ts]
         return make
