@@ -21,7 +21,11 @@ from tests.torch_versions import HAS_MUON
 
 TARGET = "tests.multirank.compiled_optimizer_cases:suite"
 AOT_CASES = [["foreach_case", {"dtype": "bfloat16"}], ["fused_case", {}], ["main_params_case", {}]]
-PLAIN_ONLY = [["foreach_case", {"dtype": "float32", "eager": True}]] + (
+#: the one-graph main-params step over other torch Adam/AdamW settings: Adam's coupled weight decay, amsgrad,
+#: maximize, foreach resolved by torch (None), the single-tensor path (foreach=False)
+OTHER_LEAVES = [["main_params_case", {"leaf": ["Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)]}],
+                ["main_params_case", {"leaf": ["AdamW", dict(lr=1e-2, weight_decay=0.1, foreach=False)]}]]
+PLAIN_ONLY = OTHER_LEAVES + [["foreach_case", {"dtype": "float32", "eager": True}]] + (
     [["main_params_case", {"muon": True}]] if HAS_MUON else [])   # Muon for the matrices, AdamW the rest
 #: the inductor subset: the two traced steps (FusedAdam's update is never traced, see fused_adam_step.py)
 INDUCTOR_CASES = [["foreach_case", {"dtype": "bfloat16", "backend": "inductor"}],
@@ -108,3 +112,29 @@ def test_inductor_subset_within_stated_bound():
     assert len(results) == len(INDUCTOR_CASES)
     for name, result in results.items():
         _check_case(name, result)
+
+
+def _fusion_runs(world):
+    cases = [["main_params_fusion_case", {}], ["main_params_fusion_case", {"hooked": True}]]
+    return run_ranks(TARGET, world, args={"cases": cases}, timeout=600)[0]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_compiled_main_params_step_is_one_graph(world):
+    """docs/performance.md#compiled-steps: over one torch AdamW whose state exists, a compiled wrapper step
+    is one graph holding the grad cast, the update and the copy back (so inductor fuses them); the first
+    step (state creation) and a leaf with step hooks take the ordinary path, hooks firing."""
+    results = _fusion_runs(world)
+    fused = results["main_params_fusion_case:"]
+    first, second = fused["graphs"][0], fused["graphs"][1]
+    assert len(first) > 1, first                      # the leaf's own step: _use_grad breaks
+    assert len(second) == 1, second                   # cast + update + copy back, one graph
+    (ops,) = second
+    assert {"_foreach_copy_", "copy_", "empty_like", "_foreach_addcdiv_"} <= set(ops), ops
+    assert fused["graphs"][2] == [], "no recompile after the first fused step"
+    assert fused["main_grads"][0] == [True] * len(fused["main_grads"][0])   # ordinary path: fp32 grads kept
+    assert not any(fused["main_grads"][1]) and not any(fused["main_grads"][2])   # fused: never materialised
+    hooked = results["main_params_fusion_case:hooked=True"]
+    assert hooked["fired"] == 3
+    assert all(len(g) > 1 or g == [] for g in hooked["graphs"]), hooked["graphs"]
+    assert all(all(m) for m in hooked["main_grads"])

@@ -34,6 +34,7 @@ from torch import nn
 
 from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
 from ._main_param_tensors import clear_grads, fp32_grad
+from ._main_params_fused import compiled_adam_step, fusable_leaf
 from ._main_params_build import (check_params, leaf_optimizers, record_wrap, reset_param_caches,
                                  swap_in_main_params)
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
@@ -114,6 +115,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                                      self._describe_non_optimizer_param, self._copy_into_main)
         self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
         #: main param -> its global (shape, stride) as ints, for the fp32 grads a compiled step builds
+        #: one torch Adam/AdamW leaf: a compiled step may run as one graph (_main_params_fused)
+        self._fusable_leaf = (len(self.leaf_optimizers) == 1 and self.optimizer is self.leaf_optimizers[0]
+                              and fusable_leaf(self.optimizer))
         self._layouts = {id(main): (tuple(main.shape), tuple(main.stride()))
                          for main in self._main_params() if is_torch_dtensor(main)}
 
@@ -248,12 +252,16 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``prepare_grads`` then ``step_with_ready_grads``. Compiled over one torch Adam/AdamW whose state
+        exists, the same step traced as one graph (:mod:`._main_params_fused`), which never stores the fp32
+        cast of a bf16 grad: ``main_param.grad`` is then ``None`` after the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.prepare_grads()
-        self.step_with_ready_grads()
+        if not compiled_adam_step(self):   # compiled over a torch Adam/AdamW: one graph, else as eager
+            self.prepare_grads()
+            self.step_with_ready_grads()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -233,7 +233,7 @@ class _Fp32MasterReference:
     AdamW for the rest, by the same routing rule) on fp32 copies of the bf16 params, grads cast to fp32,
     results copied back; written with torch's own (DTensor) ops only."""
 
-    def __init__(self, model, muon):
+    def __init__(self, model, muon, leaf_factory=None):
         self.params = list(model.parameters())
         self.masters = [nn.Parameter(p.detach().float()) for p in self.params]
         master_of = {id(p): m for p, m in zip(self.params, self.masters)}
@@ -242,7 +242,8 @@ class _Fp32MasterReference:
             self.opts = [torch.optim.AdamW([master_of[id(p)] for p in to_adamw], foreach=True, **ADAMW),
                          torch.optim.Muon([master_of[id(p)] for p in to_muon], **MUON)]
         else:
-            self.opts = [torch.optim.AdamW(self.masters, foreach=True, **ADAMW)]
+            self.opts = [leaf_factory(self.masters) if leaf_factory
+                         else torch.optim.AdamW(self.masters, foreach=True, **ADAMW)]
 
     @torch.no_grad()
     def step(self):
@@ -262,10 +263,12 @@ def _state_tensors(state: dict) -> list:
     return [v for k, v in sorted(state.items()) if isinstance(v, torch.Tensor) and k != "main_param"]
 
 
-def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False):
+def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False,
+                     leaf=None):
     """compiled ``MainParamsOptimizer`` over AdamW (or Muon + AdamW, plain tensors) vs a compiled
     fp32-master reference; world 2 is ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or
-    fp32."""
+    fp32. ``leaf``: ``[class name, kwargs]`` of another torch optimizer for both (e.g. Adam with amsgrad)."""
+    leaf_factory = (lambda params: getattr(torch.optim, leaf[0])(params, **leaf[1])) if leaf else None
     mesh = _mesh(world)
     holder = {}
 
@@ -275,12 +278,13 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
             holder["model"] = model
             if ours:
                 leaf = (build_muon_adamw(model, muon_kwargs=MUON, adamw_kwargs={**ADAMW, "foreach": True})
-                        if muon else torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
+                        if muon else leaf_factory(model.parameters()) if leaf_factory
+                        else torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
                 opt = MainParamsOptimizer(leaf, model)
                 mains = [opt.main_param(p) for p in model.parameters()]
                 return opt.step, lambda: list(model.parameters()) + mains + [
                     t for p in model.parameters() for t in _state_tensors(opt.state[p])]
-            ref = _Fp32MasterReference(model, muon)
+            ref = _Fp32MasterReference(model, muon, leaf_factory)
             return ref.step, lambda: list(model.parameters()) + ref.masters + [
                 t for ts in ref.states() for t in ts]
         return make
@@ -302,3 +306,36 @@ def suite(rank, world, cases):
     """Run several ``[name, kwargs]`` cases in one launch (one interpreter per rank for all of them)."""
     return {f"{name}:{','.join(f'{k}={v}' for k, v in sorted(kwargs.items()))}":
             globals()[name](rank, world, **kwargs) for name, kwargs in cases}
+
+
+def main_params_fusion_case(rank, world, hooked=False):
+    """What a compiled ``MainParamsOptimizer.step`` over one torch AdamW traces, step by step: the graphs
+    dynamo hands the backend (the call targets in each), whether the main params keep a grad after the step
+    and how often a step pre-hook on the leaf fired (``hooked``: the leaf's step must then run as itself)."""
+    mesh = _mesh(world)
+    model = _model(world, mesh, torch.bfloat16)
+    opt = MainParamsOptimizer(torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW), model)
+    fired = []
+    if hooked:
+        opt.optimizer.register_step_pre_hook(lambda *args: fired.append(1))
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(sorted({n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                                for n in gm.graph.nodes if n.op in ("call_function", "call_method")}))
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend=backend)
+    graphs, main_grads = [], []
+    for i in range(STEPS):
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(300 + i)).to(torch.bfloat16)
+        x = x[rank * 3:(rank + 1) * 3] if world > 1 else x
+        F.mse_loss(model(x).float(), torch.zeros(x.shape[0], 7)).backward()
+        before = len(compiled)
+        step()
+        graphs.append(compiled[before:])
+        main_grads.append([opt.main_param(p).grad is not None for p in model.parameters()])
+        opt.zero_grad()
+    torch._dynamo.reset()
+    return {"graphs": graphs, "main_grads": main_grads, "fired": len(fired)}
