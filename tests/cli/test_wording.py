@@ -22,6 +22,12 @@ def test_explain_of_an_unknown_name_suggests_the_near_ones():
         "hp_fp32_main_params, te_fused_adam_dtensor, te_fused_adam_empty_scale")
     assert unknown_patch_message("zzz", known) == ("unknown patch 'zzz'; known: hp_fp32_main_params, "
                                                    "te_fused_adam_dtensor, te_fused_adam_empty_scale")
+    # a prefix or part of a name, in any case, is near too; difflib alone finds nothing for these
+    assert unknown_patch_message("hp_fp32", known).startswith(
+        "unknown patch 'hp_fp32'. Did you mean hp_fp32_main_params? Known: ")
+    assert unknown_patch_message("Empty_Scale", known).startswith(
+        "unknown patch 'Empty_Scale'. Did you mean te_fused_adam_empty_scale? Known: ")
+    assert unknown_patch_message("te", known).startswith("unknown patch 'te'; known: ")   # too short to guess
     proc = _cli("explain", "te_fused_adam")
     assert proc.returncode == 2
     assert "Did you mean te_fused_adam_dtensor or te_fused_adam_empty_scale" in proc.stderr, proc.stderr
