@@ -37,3 +37,9 @@ def test_doctor_names_the_kill_switch_as_it_was_set():
     report = json.loads(_cli("doctor", "--json", NPU_FSDP_PATCHES="off").stdout)
     reasons = {p["reason"] for p in report["patches"]}
     assert reasons == {"NPU_FSDP_PATCHES=off (kill switch)"}, reasons
+
+
+def test_no_command_is_doctor_and_help_says_so():
+    bare, doctor = _cli(), _cli("doctor")
+    assert bare.returncode == doctor.returncode == 0 and bare.stdout == doctor.stdout, bare.stderr
+    assert "with no command, doctor." in _cli("--help").stdout
