@@ -3,6 +3,7 @@
 it) for the examples that checkpoint, veomni for veomni_main_params.py, torch_npu for ``--device npu``
 (the README's own command line), a GPU for ``--device cuda``. The check comes before the process
 group, so a plain ``python`` run shows it."""
+import os
 import subprocess
 import sys
 
@@ -25,7 +26,8 @@ def run_hiding(tmp_path, script: str, *hidden: str, device: str = "cpu") -> subp
     site = tmp_path / "hide"
     site.mkdir(parents=True)
     (site / "sitecustomize.py").write_text(_HIDE.format(hidden=set(hidden)))
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{REPO_ROOT}:{EXAMPLES}", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_FSDP_PATCHES")}
+    env.update(PYTHONPATH=os.pathsep.join(map(str, (site, REPO_ROOT, EXAMPLES))), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, str(EXAMPLES / script), "--device", device], cwd=str(tmp_path),
                           env=env, capture_output=True, text=True, timeout=120)
 
