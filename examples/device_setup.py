@@ -4,11 +4,15 @@
     --device cuda  nccl
     --device npu   hccl    (imports torch_npu, which registers the npu device and hccl)
 
-Run an example under torchrun; each rank uses the device ``LOCAL_RANK`` names.
+Run an example under torchrun; each rank uses the device ``LOCAL_RANK`` names. An example that needs
+more than torch (numpy for torch.distributed.checkpoint, veomni, TransformerEngine, torch_npu for
+``--device npu``, a GPU for ``--device cuda``) checks it first and, when it is missing, exits 2 at once
+with one line saying what it needs.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -23,8 +27,43 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
                         help="cpu (gloo), cuda (nccl) or npu (hccl); default cpu")
 
 
+def require(example: str, module: str, why: str, install: str) -> None:
+    """Stop with exit code 2 and one line saying what to install (``install``) when ``module`` cannot be
+    imported (printed by rank 0 only; every rank exits)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - a broken install raises more than ImportError
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{example} needs {module} ({why}): {install}. Importing it failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def require_numpy(example: str) -> None:
+    """numpy, which torch's CPU wheel does not install: torch.distributed.checkpoint and the object
+    collectives call ``Tensor.numpy()``."""
+    require(example, "numpy", "torch.distributed.checkpoint calls Tensor.numpy()",
+            "`pip install numpy`")
+
+
+def require_device(device_type: str) -> None:
+    """Stop with exit code 2 and one line when ``--device`` names a device this machine lacks: npu needs
+    torch_npu (with CANN's environment sourced), cuda a CUDA build of torch that sees a GPU."""
+    example = os.path.basename(sys.argv[0])
+    if device_type == "npu":
+        require(example, "torch_npu", "--device npu: it registers the npu device and hccl",
+                "install torch_npu and source CANN's set_env.sh, or run with --device cpu")
+    elif device_type == "cuda" and not torch.cuda.is_available():
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{example} --device cuda needs a CUDA build of torch that sees a GPU (torch "
+                  f"{torch.__version__}: torch.cuda.is_available() is False); run with --device cpu",
+                  file=sys.stderr)
+        sys.exit(2)
+
+
 def init_distributed(device_type: str) -> torch.device:
     """Start the process group with the device's backend; return this rank's device."""
+    require_device(device_type)
     if device_type == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu and the hccl backend)
     dist.init_process_group(BACKENDS[device_type])

@@ -7,6 +7,8 @@ bf16 params (FSDP2 shards them as DTensors), fp32 master weights inside the opti
 ``exp_avg_sq``. After ``steps`` steps the model and optimizer are saved with
 torch.distributed.checkpoint; a fresh model + optimizer load it and train ``steps`` more. The check:
 the resumed run equals the uninterrupted one bit for bit, and the loss went down. Exits 1 otherwise.
+Needs numpy (torch.distributed.checkpoint calls ``Tensor.numpy()``; torch's CPU wheel does not bring
+it): without it the example exits 2 at once and says so.
 """
 import argparse
 import os
@@ -18,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed
+from device_setup import add_device_argument, finish, init_distributed, require_numpy
 from npu_fsdp_patches.optim import FusedAdam
 
 
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
+    require_numpy("fsdp2_fused_adam.py")
     device = init_distributed(args.device)
     ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"fsdp2_fused_adam_{os.getppid()}")
 

@@ -7,7 +7,8 @@ Follows RFC 001's build order (docs/hyper_parallel.md#rfc-001-6-model-dtype): va
 build and shard the model, cast it to model_init_dtype, build Muon (2-D weights) + AdamW (embeddings, head,
 biases), wrap them in MainParamsOptimizer. It saves after half the steps, resumes into a fresh model and
 optimizer. The check: the load restored the fp32 main params ("main_params"), the resumed losses equal
-the uninterrupted run's, and the loss went down. Exits 1 otherwise. Needs torch.optim.Muon (torch >= 2.9).
+the uninterrupted run's, and the loss went down. Exits 1 otherwise. Needs torch.optim.Muon (torch >= 2.9)
+and numpy (for the checkpoint; without it the example exits 2 at once and says so).
 """
 import argparse
 import os
@@ -20,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed
+from device_setup import add_device_argument, finish, init_distributed, require_numpy
 from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, build_muon_adamw,
                                     load_checkpoint, save_checkpoint, validate_fp32_main_params_config)
 
@@ -85,6 +86,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
+    require_numpy("fsdp2_main_params_muon.py")
     validate_fp32_main_params_config(CONFIG)      # fails before any model is built
     device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()

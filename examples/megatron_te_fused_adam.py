@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from device_setup import add_device_argument, finish, init_distributed
+from device_setup import add_device_argument, finish, init_distributed, require_device
 
 LR, WD = 1e-2, 0.1
 TE_PATCHES = ("te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_fused_adam_empty_scale",
@@ -94,6 +94,7 @@ def main() -> None:
     add_device_argument(parser)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    require_device(args.device)
     if args.device == "npu":
         import torch_npu  # noqa: F401  (TE-NPU needs it before its own import)
     require_te()

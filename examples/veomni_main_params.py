@@ -3,8 +3,9 @@
     torchrun --nproc_per_node=2 examples/veomni_main_params.py [--device cpu|cuda|npu]
                                                                [--optimizer adamw|muon] [--ckpt DIR]
 
-Needs veomni (0.1.4 or later) in the environment where npu_fsdp_patches is installed; no patch is
-needed for veomni. The model is sharded with torch FSDP2 (bf16 params, fp32 gradient reduction),
+Needs veomni (0.1.4 or later; CI installs 0.1.12 with the pins of .ci/steps/40-veomni.sh) and numpy in the
+environment where npu_fsdp_patches is installed; without either the example exits 2 at once and says
+which. No patch is needed for veomni. The model is sharded with torch FSDP2 (bf16 params, fp32 gradient reduction),
 cast to bf16 with ``apply_model_init_dtype``, and veomni's optimizer (AdamW, or Muon:
 ``DistributedMuon`` + AdamW) is wrapped. It trains 4 steps; a second run trains 2, saves with veomni's
 ``DistributedCheckpointer`` (``extra_state`` included), resumes into a fresh model and optimizer with
@@ -28,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed
+from device_setup import add_device_argument, finish, init_distributed, require, require_numpy
 from npu_fsdp_patches.optim import MainParamsOptimizer, apply_model_init_dtype
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 4, 6
@@ -122,6 +123,9 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
+    require_numpy("veomni_main_params.py")
+    require("veomni_main_params.py", "veomni", "0.1.4 or later: its build_optimizer and checkpointer",
+            "install it as CI does, veomni==0.1.12 with its pins (.ci/steps/40-veomni.sh)")
     device = init_distributed(args.device)
     from veomni.distributed.parallel_state import init_parallel_state
     world = dist.get_world_size()

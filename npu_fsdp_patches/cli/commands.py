@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
         f"  {name:<26} {meaning}" for name, meaning in ENV_VARS.items())
     parser = argparse.ArgumentParser(prog="npu-fsdp-patches", epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     description="Report, explain and list the npu_fsdp_patches patches.")
+                                     description="Report, explain, list and self-test the npu_fsdp_patches patches; "
+                                                 "with no command, doctor.")
     parser.add_argument("--version", action="version", version=f"npu-fsdp-patches {__version__}")
     sub = parser.add_subparsers(dest="command")
     doctor = sub.add_parser("doctor", help="report environment, frameworks, patch decisions and states")

@@ -210,9 +210,12 @@ def import_frameworks(snap: RuntimeSnapshot) -> dict:
     return {name: _first_and_root(causes) if causes else None for name, causes in result.items()}
 
 
-def framework_errors(frameworks: dict, matrix) -> list:
-    """An error for each framework that is installed but cannot be imported, with the next step."""
+def framework_errors(frameworks: dict, matrix, records: list = ()) -> list:
+    """An error for each framework that is installed but cannot be imported, with the next step. The
+    enabled patches whose gate names it are named: one whose targets are elsewhere (in torch) may still
+    apply, yet cannot take effect in a job that cannot import the framework."""
     out = []
+    enabled = [r["name"] for r in records if r["decision"] == "enabled" and r["name"] in matrix.patches]
     for name, fw in frameworks.items():
         if fw.get("importable") is not False:
             continue
@@ -222,9 +225,13 @@ def framework_errors(frameworks: dict, matrix) -> list:
             reason = fw["note"] + (f"; importing it raises {fw['import_error']}" if fw["import_error"] else "")
         reason = reason.rstrip(". ")
         module = matrix.frameworks[name].module
-        out.append(f"{name}: {what} is installed but not importable: {reason}. No patch that needs it "
-                   f"can apply. Next step: make `import {module}` work in this Python (install what the "
-                   "error names) and run doctor again")
+        gated = [patch for patch in enabled
+                 if any(cond.framework == name for alt in matrix.patches[patch].gate for cond in alt)]
+        effect = (f"{', '.join(gated)} {'is' if len(gated) == 1 else 'are'} enabled for it but cannot take "
+                  "effect" if gated else "No patch that needs it can apply")
+        out.append(f"{name}: {what} is installed but not importable: {reason}. {effect}. Next step: make "
+                   f"`import {module}` work in this Python (install what the error names) and run doctor "
+                   "again")
     return out
 
 
@@ -359,7 +366,7 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
         "environment": env,
         "frameworks": frameworks,
         "patches": records,
-        "errors": (environment_errors(env) + framework_errors(frameworks, snap.matrix) + import_failed
+        "errors": (environment_errors(env) + framework_errors(frameworks, snap.matrix, records) + import_failed
                    + code_errors),
         "warnings": _warnings(snap, records, env, broken) + import_errors + code_warnings,
         "self_test": None,

@@ -262,10 +262,15 @@ def gate_data(spec: PatchSpec, frameworks: dict) -> list:
 
 
 def unknown_patch_message(name: str, known: Iterable[str]) -> str:
-    """``explain NAME`` of a name no patch has: the near names first (difflib), then every known one."""
+    """``explain NAME`` of a name no patch has: the near names first (those containing NAME, any case,
+    such as ``hp_fp32`` for ``hp_fp32_main_params``; then difflib's close ones; three at most), then every
+    known one."""
     import difflib   # only a misspelled name pays for it
     known = sorted(known)
-    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    key = name.strip().lower()
+    near = [k for k in known if len(key) >= 3 and key in k.lower()]
+    near += [k for k in difflib.get_close_matches(key, known, n=3, cutoff=0.6) if k not in near]
+    near = near[:3]
     hint = f". Did you mean {' or '.join(near)}? Known" if near else "; known"
     return f"unknown patch {name!r}{hint}: {', '.join(known)}"
 

@@ -92,8 +92,9 @@ def _self_test_md(result: dict) -> list:
     if "skipped" in result:
         return [f"Skipped: {result['skipped']}."]
     if "result" not in result:
-        return [f"Error: {result['error']}."] + (["", "```text", result["stderr_tail"].strip(), "```"]
-                                                  if result.get("stderr_tail") else [])
+        code = f" (exit code {result['exit_code']})" if result.get("exit_code") is not None else ""
+        return [f"Error{code}: {result['error']}."] + (["", "```text", result["stderr_tail"].strip(), "```"]
+                                                       if result.get("stderr_tail") else [])
     data = result["result"]
     lines = [f"{'PASSED' if data.get('passed') else 'FAILED'} on {data.get('device')} "
              f"({data.get('backend')}, {data.get('world_size')} ranks); exit code {result['exit_code']}", "",

@@ -380,3 +380,25 @@ def test_doctor_import_shows_the_real_error_of_a_target_and_fails_a_forced_patch
     assert "import not_installed_module_xyz: not found" in report["warnings"]
     proc = cli(tmp_path, "doctor", "--json", "--import")          # not forced: pending is no error
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_an_unimportable_framework_names_the_enabled_patches_it_leaves_without_effect():
+    """hp_skip_dispatch_adamw's targets are torch's, so it can apply while hyper-parallel cannot be imported:
+    the error names it with the other enabled patches gated on the framework instead of saying none can
+    apply; with none enabled the old words stay."""
+    from npu_fsdp_patches.cli.doctor import framework_errors
+    from npu_fsdp_patches.plan.matrix import load_matrix
+    matrix = load_matrix()
+    broken = {"hyper_parallel": {"importable": False, "distribution": "hyper-parallel", "version": "0.1.0",
+                                 "import_error": "ImportError: libfoo.so", "source": "metadata", "note": None}}
+    records = [{"name": "hp_skip_dispatch_adamw", "decision": "enabled"},
+               {"name": "hp_fp32_main_params", "decision": "enabled"},
+               {"name": "te_fused_adam_dtensor", "decision": "enabled"}]
+    [error] = framework_errors(broken, matrix, records)
+    assert error.startswith("hyper_parallel: hyper-parallel 0.1.0 is installed but not importable: ImportError: "
+                            "libfoo.so. hp_skip_dispatch_adamw, hp_fp32_main_params are enabled for it but cannot "
+                            "take effect. Next step: make `import hyper_parallel` work"), error
+    [error] = framework_errors(broken, matrix, records[1:2])
+    assert "libfoo.so. hp_fp32_main_params is enabled for it but cannot take effect. Next step" in error, error
+    [error] = framework_errors(broken, matrix, [])
+    assert "libfoo.so. No patch that needs it can apply. Next step" in error, error

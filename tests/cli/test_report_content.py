@@ -48,6 +48,16 @@ def test_the_markdown_table_shows_why_a_check_failed():
     assert "| te_fused_adam | failed | error on rank 0: RuntimeError" in markdown(_report_with([older]), "r.json")
 
 
+def test_a_self_test_that_could_not_run_shows_its_exit_code_and_why():
+    report = _report_with([])
+    why = "npu-fsdp-patches self-test: numpy cannot be imported (ModuleNotFoundError: No module named 'numpy')"
+    report["self_test"] = {"exit_code": 2, "error": "the self-test printed no JSON result", "stderr_tail": why + "\n"}
+    md = markdown(report, "r.json")
+    assert f"Error (exit code 2): the self-test printed no JSON result.\n\n```text\n{why}\n```" in md, md
+    report["self_test"] = {"error": "cannot start the self-test: [Errno 2] No such file"}
+    assert "Error: cannot start the self-test: [Errno 2] No such file." in markdown(report, "r.json")
+
+
 def test_self_test_lines_have_no_none_and_their_columns_line_up():
     raised = merge("te_fused_adam", [RAISED, dict(PASSED)])
     lines = [check_line(merge("adamw_step", [dict(PASSED), dict(PASSED)])).splitlines()[0],
