@@ -211,11 +211,12 @@ def ci_env(*names):
 
 def test_ci_runs_every_verified_torch():
     """The README test command's torch plus the older torch CI derives from the matrix are exactly the
-    verified torch; the oldest and the newest run the full torch-sensitive list."""
+    verified torch; the oldest and the newest run the full torch-sensitive list and the compiled steps."""
     readme_torch = re.findall(r"pip install torch==(\S+) -e '\.\[test\]'", (REPO_ROOT / "README.md").read_text())
     run_torch = re.findall(r"pip install torch==(\S+) -e '\.\[test\]'", (REPO_ROOT / ".ci" / "run").read_text())
-    (main,), older, full, above_cap = ci_env("MAIN_TORCH", "OLDER_TORCH_VERSIONS", "FULL_LIST_TORCH",
-                                             "ABOVE_PIP_CAP_TORCH")
+    (main,), older, full, above_cap, edge = ci_env("MAIN_TORCH", "OLDER_TORCH_VERSIONS", "FULL_LIST_TORCH",
+                                                   "ABOVE_PIP_CAP_TORCH", "EDGE_TORCH")
     assert readme_torch[:1] == run_torch == [main]
     assert sorted([main, *older], key=Version) == VERIFIED and main not in older
     assert {VERIFIED[0], VERIFIED[-1]} <= set(full) <= set(older) and set(above_cap) <= set(older)
+    assert edge == [VERIFIED[0], VERIFIED[-1]]   # the compiled-step tests' torch besides the README's

@@ -8,7 +8,8 @@
 # te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail + te_fused_adam_empty_scale),
 # the FSDP2 examples, the self-test's checks on 2 CPU ranks, the torch autoload entry, the torch gate and
 # doctor's torch finding. The others run LEAN: the same coverage less the repeated launches (the examples,
-# FusedAdam's and main params' extra multi-rank launches, TE's CPU kernels, Megatron's path).
+# FusedAdam's and main params' extra multi-rank launches, TE's CPU kernels, Megatron's path). Both run the
+# generated cases (Hypothesis, issue 29). EDGE_TORCH (the oldest and the newest) add the COMPILED list.
 # The plugin-core, doctor, CLI and packaging files do not depend on the torch release and run on 2.13.0
 # only; .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
 # Per version: wait for .ci/older-torch-wheels.sh (started in the background by .ci/run; run here in the
@@ -35,6 +36,7 @@ LEAN=(
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
     tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py
     "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
+    tests/test_generated_cases.py
 )
 # LEAN leaves out what does not depend on the torch release: the stand-down probes, the veomni capture
 # order, the TENPU overlay's file check, the auto_models trainer path, the unverified-metadata doctor case
@@ -58,6 +60,12 @@ FULL=(
     tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
     tests/test_megatron_initialize_state.py
 )
+
+# EDGE_TORCH (the oldest and the newest) add the compiled steps (issue 33; with the README's 2.13.0, three
+# verified releases): torch's Adam/AdamW compiled with the plugin on and off, and our optimizers compiled
+# against torch's counterparts. Whole files: each starts its launches in module fixtures, so a -k subset
+# would save little (measured per torch: docs/ci.md).
+COMPILED=(tests/test_compiled_adam.py tests/test_compiled_optimizers.py)
 
 wheels_ready() {  # wheels_ready VERSION: wait for its download (bounded by its timeout); 0 when it succeeded
     local rc_file="$OLDER_TORCH_WHEELS/torch-$1.rc" pid
@@ -126,6 +134,8 @@ for i in "${!versions[@]}"; do
     if [ "$rc" -eq 0 ]; then
         tests=("${LEAN[@]}" "${LEAN_DESELECT[@]/#/--deselect=}")
         if [[ " $FULL_LIST_TORCH " == *" $version "* ]]; then list=FULL tests=("${FULL[@]}"); fi
+        # the compiled files first: the longest, so that neither worker is left with one at the end
+        if [[ " $EDGE_TORCH " == *" $version "* ]]; then list=FULL+COMPILED tests=("${COMPILED[@]}" "${tests[@]}"); fi
         # two pytest workers, a file each (module-scoped launches run once): a launch leaves a core idle
         # while one interpreter imports torch or waits for its peers (measured: LEAN 151 s -> 110 s)
         "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider -n 2 --dist loadfile "${tests[@]}"

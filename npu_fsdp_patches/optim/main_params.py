@@ -27,7 +27,7 @@ checks on the checkpoint before loading.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -122,18 +122,17 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                          for main in self._main_params() if is_torch_dtensor(main)}
 
     # ---- iteration helpers -----------------------------------------------------------------------
-    def _low_precision_pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            yield from zip(model_group, main_group)
+    # Lists, not generators: the compiled step (prepare_grads, _copy_pairs, zero_grad) iterates them,
+    # and torch 2.6's dynamo graph-breaks on a generator (``yield from zip(...)``: "SEND ZipVariable").
+    def _low_precision_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        return [pair for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups)
+                for pair in zip(model_group, main_group)]
 
-    def _fp32_params(self) -> Iterator[nn.Parameter]:
-        for group in self.fp32_from_fp32_groups:
-            yield from group
+    def _fp32_params(self) -> list[nn.Parameter]:
+        return [p for group in self.fp32_from_fp32_groups for p in group]
 
-    def _main_params(self) -> Iterator[nn.Parameter]:
-        for leaf in self.leaf_optimizers:
-            for group in leaf.param_groups:
-                yield from group["params"]
+    def _main_params(self) -> list[nn.Parameter]:
+        return [p for leaf in self.leaf_optimizers for group in leaf.param_groups for p in group["params"]]
 
     def model_param(self, main_param: torch.Tensor) -> nn.Parameter:
         """The model param that ``main_param`` (an optimizer param) stands for."""
