@@ -8,8 +8,9 @@
 # te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail + te_fused_adam_empty_scale),
 # the FSDP2 examples, the self-test's checks on 2 CPU ranks, the torch autoload entry, the torch gate and
 # doctor's torch finding. The others run LEAN: the same coverage less the repeated launches (the examples,
-# FusedAdam's and main params' extra multi-rank launches, TE's CPU kernels, Megatron's path). Both run the
-# generated cases (Hypothesis, issue 29). EDGE_TORCH (the oldest and the newest) add the COMPILED list.
+# FusedAdam's and main params' extra multi-rank launches, TE's CPU kernels, Megatron's path). FULL also runs
+# the generated cases (Hypothesis, issue 29): on the minors where torch's optimizers change, not on each
+# (CI time). EDGE_TORCH (the oldest and the newest) add the COMPILED list.
 # The plugin-core, doctor, CLI and packaging files do not depend on the torch release and run on 2.13.0
 # only; .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
 # Per version: wait for .ci/older-torch-wheels.sh (started in the background by .ci/run; run here in the
@@ -36,7 +37,6 @@ LEAN=(
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
     tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py
     "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
-    tests/test_generated_cases.py
 )
 # LEAN leaves out what does not depend on the torch release: the stand-down probes, the veomni capture
 # order, the TENPU overlay's file check, the auto_models trainer path, the unverified-metadata doctor case
@@ -58,7 +58,7 @@ FULL=(
     "${LEAN[@]}" tests/test_foreach_adamw_self_test.py tests/test_fused_adam_multirank.py
     tests/test_main_params_example.py tests/test_example_fsdp2_fused_adam.py
     tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
-    tests/test_megatron_initialize_state.py
+    tests/test_megatron_initialize_state.py tests/test_generated_cases.py
 )
 
 # EDGE_TORCH (the oldest and the newest) add the compiled steps (issue 33; with the README's 2.13.0, three
