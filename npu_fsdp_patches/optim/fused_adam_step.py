@@ -120,35 +120,22 @@ def _same_layout(a, b) -> bool:
     return a is b or (a.mesh is b.mesh and a.placements == b.placements and a.shape == b.shape)
 
 
-def _step_group(opt, group: dict) -> None:
+def _step_group(opt, group: dict, items: list) -> None:
+    """Step one group over its prepared ``(param, local param, local grad or None)`` items
+    (:func:`_prepare` checked them all)."""
     beta1, beta2 = group["betas"]
     hyper = dict(step=group["step"], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                  weight_decay=group["weight_decay"], adam_w_mode=bool(opt.adam_w_mode),
                  bias_correction=bool(group.get("bias_correction", True)))
     moments_fp32 = state_dtype(opt, "exp_avg") == _F32 and state_dtype(opt, "exp_avg_sq") == _F32
-    rules = dtensor_rules(opt)   # per step, not per param: what the configuration rules out
-    dtensor_cls = torch_dtensor_type()
     direct = ([], [], [], [])
     low = []
-    for p in group["params"]:
-        grad, pl = _grad_of(opt, p), p
-        if dtensor_cls is not None and isinstance(p, dtensor_cls):
-            pl = p._local_tensor
-            problem = dtensor_problem(opt, p, rules)
-            if problem is not None:
-                raise problem   # names the param and the reason
-        elif is_foreign_dtensor(p):
-            check_dtensor_param(opt, p)  # raises: only torch DTensors are supported
+    for p, pl, g in items:
         state = opt.state[p]
         if len(state) == 0:
-            initialize(opt, p)  # before the grad check, as TE's step: grad-less params get states too
-        if grad is None:
+            initialize(opt, p)  # as TE's step: grad-less params get states too
+        if g is None:
             continue
-        if (pl is not p and isinstance(grad, dtensor_cls) and not grad.is_sparse
-                and _same_layout(grad._spec, p._spec)):
-            g = grad._local_tensor
-        else:
-            g = check_grad(opt, p, grad)
         if pl.numel() == 0:
             continue  # empty shard: state exists, no kernel input, group step already advanced
         if pl.dtype == _F32 and g.dtype == _F32 and moments_fp32:
@@ -213,32 +200,44 @@ def _refresh_fp32_masters(opt, group) -> None:
             set_scaled(opt, p, "master_param", local_tensor(p).detach().clone())
 
 
-def _validate(opt) -> None:
-    """Every per-param refusal of the step, for all groups, before the first write (no group's
-    ``step`` advanced, no state made: validate, then commit)."""
-    rules = dtensor_rules(opt)
+def _prepare(opt) -> list:
+    """Every per-param check of the step, for all groups, before the first write (no group's
+    ``step`` advanced, no state made: validate, then commit), done once: per group, the
+    ``(param, local param, local grad or None)`` items :func:`_step_group` steps."""
+    rules = dtensor_rules(opt)   # per step, not per param: what the configuration rules out
     dtensor_cls = torch_dtensor_type()
+    prepared = []
     for group in opt.param_groups:
+        items = []
         for p in group["params"]:
+            pl = p
             if dtensor_cls is not None and isinstance(p, dtensor_cls):
+                pl = p._local_tensor
                 problem = dtensor_problem(opt, p, rules)
                 if problem is not None:
-                    raise problem
+                    raise problem   # names the param and the reason
             elif is_foreign_dtensor(p):
-                check_dtensor_param(opt, p)
+                check_dtensor_param(opt, p)  # raises: only torch DTensors are supported
             elif p.dtype not in FLOAT_DTYPES:
                 check_plain_param(opt, p)
-            grad = _grad_of(opt, p)
+            grad, g = _grad_of(opt, p), None
             if grad is not None:
-                check_grad(opt, p, grad)
+                if (pl is not p and isinstance(grad, dtensor_cls) and not grad.is_sparse
+                        and _same_layout(grad._spec, p._spec)):
+                    g = grad._local_tensor
+                else:
+                    g = check_grad(opt, p, grad)
+            items.append((p, pl, g))
+        prepared.append(items)
+    return prepared
 
 
 def _step_groups(opt) -> None:
-    _validate(opt)
+    prepared = _prepare(opt)
     with torch.no_grad():
-        for group in opt.param_groups:
+        for group, items in zip(opt.param_groups, prepared):
             group["step"] = int(group.get("step", 0)) + 1
-            _step_group(opt, group)
+            _step_group(opt, group, items)
 
 
 #: The step as dynamo sees it: never traced. torch's compiled ``AdamW(fused=True)`` traces nothing either
