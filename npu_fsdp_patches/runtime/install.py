@@ -43,6 +43,7 @@ class Lifecycle(Protocol):
 
     def watch_for_reimport(self, module: str) -> None: ...
 
+
 #: compute-then-commit rounds before a patch whose targets keep changing under it fails
 ATTEMPTS = 3
 
@@ -192,7 +193,6 @@ def _install(life: Lifecycle, record: PatchRecord, claims: list, built: list, mo
         raise AtTarget(item.target.symbol) from exc
     if done:
         life.watch_for_reimport(module_name)
-    if done:
         provider = life.plan.provider(record.name)
         log.log(life.summary.detail_level(), "patch %s applied at %s; code: %s", record.name,
                 ", ".join(item.target.symbol for item in done), provider.describe() if provider else "unknown")

@@ -292,8 +292,10 @@ class Lifecycle:
                 errors = []
                 for symbol in installed:
                     error = self.registry.restore(symbol)
-                    errors += [error] if error else []
-                    done += [] if error else [symbol]
+                    if error:
+                        errors.append(error)   # someone replaced ours there: left alone
+                    else:
+                        done.append(symbol)
                 errors += self.registry.restore_retired(name)
         except Exception as exc:
             with swap_guard():
