@@ -29,6 +29,9 @@ __all__ = ["compiled_adam_step", "fusable_leaf"]
 
 #: torch's own Adam.step (AdamW inherits it), behind its hook and grad-mode decorators
 _TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+#: torch >= 2.7's functional ``adam`` takes ``decoupled_weight_decay`` (AdamW is an Adam there); an older
+#: torch's takes no such argument, and its AdamW has a step of its own, which :func:`fusable_leaf` refuses
+_DECOUPLED_ARG = "decoupled_weight_decay" in inspect.signature(torch_adam.adam).parameters
 
 
 def fusable_leaf(leaf: object) -> bool:
@@ -89,6 +92,7 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
         model.grad = None
         main.grad = None
     decoupled_default = isinstance(leaf, torch.optim.AdamW)
+    decoupled = {}
     for group, entries in zip(leaf.param_groups, plan):
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         for main, model, grad in entries:
@@ -117,14 +121,15 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
         if foreach is None:   # resolved on the params the leaf would see (their type decides it)
             _, foreach = _default_to_fused_or_foreach([main for main, _, _ in entries], False, use_fused=False)
         beta1, beta2 = group["betas"]
+        if _DECOUPLED_ARG:
+            decoupled = {"decoupled_weight_decay": group.get("decoupled_weight_decay", decoupled_default)}
         torch_adam.adam(
             params, grads, local_tensors(exp_avgs), local_tensors(exp_avg_sqs), local_tensors(max_exp_avg_sqs),
             steps, foreach=foreach, capturable=True, differentiable=False, fused=None,
             grad_scale=getattr(leaf, "grad_scale", None), found_inf=getattr(leaf, "found_inf", None),
             has_complex=any(torch.is_complex(p) for p in params), amsgrad=group["amsgrad"],
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-            maximize=group["maximize"],
-            decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default))
+            maximize=group["maximize"], **decoupled)
     if any(_nonzero(group.get("lr", 1.0)) for group in leaf.param_groups):
         opt._derived_from_model = set()
     opt._copy_main_params_to_model_params()
