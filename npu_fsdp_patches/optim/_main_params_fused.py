@@ -8,7 +8,7 @@ settings as dynamo shows them to torch's own compiled step (``capturable=True``)
 with the cast grads handed to it directly: one traced region, which inductor fuses into kernels that
 read the bf16 grad and write the bf16 model param (no fp32 grad is written to memory).
 
-It runs only while dynamo traces, and only for a leaf that is exactly ``torch.optim.Adam``/``AdamW``
+It runs only while dynamo traces, on torch >= 2.7, and only for a leaf that is exactly ``torch.optim.Adam``/``AdamW``
 with torch's own ``step``, no step hooks (the leaf's or global ones: its step would fire them), no
 ``fused``/``differentiable`` group and its state already created (the first step, which creates it,
 takes the ordinary path); anything else returns ``False`` before the first write and the wrapper
@@ -29,14 +29,15 @@ __all__ = ["compiled_adam_step", "fusable_leaf"]
 
 #: torch's own Adam.step (AdamW inherits it), behind its hook and grad-mode decorators
 _TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
-#: torch >= 2.7's functional ``adam`` takes ``decoupled_weight_decay`` (AdamW is an Adam there); an older
-#: torch's takes no such argument, and its AdamW has a step of its own, which :func:`fusable_leaf` refuses
-_DECOUPLED_ARG = "decoupled_weight_decay" in inspect.signature(torch_adam.adam).parameters
+#: torch >= 2.7: AdamW is an Adam and torch's functional ``adam`` takes ``decoupled_weight_decay``. On an
+#: older torch (2.6) dynamo graph-breaks inside that ``adam`` where torch's own compiled step does not, so
+#: the one-graph path is not taken there (the ordinary path keeps torch's break sites and bits)
+_ONE_GRAPH_TORCH = "decoupled_weight_decay" in inspect.signature(torch_adam.adam).parameters
 
 
 def fusable_leaf(leaf: object) -> bool:
     """A leaf whose step is torch's own Adam/AdamW step (checked once, at wrap time)."""
-    return (type(leaf) in (torch.optim.Adam, torch.optim.AdamW) and "step" not in vars(leaf)
+    return (_ONE_GRAPH_TORCH and type(leaf) in (torch.optim.Adam, torch.optim.AdamW) and "step" not in vars(leaf)
             and "_init_group" not in vars(leaf)
             and inspect.unwrap(type(leaf).step) is _TORCH_ADAM_STEP)
 
@@ -92,7 +93,6 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
         model.grad = None
         main.grad = None
     decoupled_default = isinstance(leaf, torch.optim.AdamW)
-    decoupled = {}
     for group, entries in zip(leaf.param_groups, plan):
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         for main, model, grad in entries:
@@ -121,15 +121,14 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
         if foreach is None:   # resolved on the params the leaf would see (their type decides it)
             _, foreach = _default_to_fused_or_foreach([main for main, _, _ in entries], False, use_fused=False)
         beta1, beta2 = group["betas"]
-        if _DECOUPLED_ARG:
-            decoupled = {"decoupled_weight_decay": group.get("decoupled_weight_decay", decoupled_default)}
         torch_adam.adam(
             params, grads, local_tensors(exp_avgs), local_tensors(exp_avg_sqs), local_tensors(max_exp_avg_sqs),
             steps, foreach=foreach, capturable=True, differentiable=False, fused=None,
             grad_scale=getattr(leaf, "grad_scale", None), found_inf=getattr(leaf, "found_inf", None),
             has_complex=any(torch.is_complex(p) for p in params), amsgrad=group["amsgrad"],
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-            maximize=group["maximize"], **decoupled)
+            maximize=group["maximize"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default))
     if any(_nonzero(group.get("lr", 1.0)) for group in leaf.param_groups):
         opt._derived_from_model = set()
     opt._copy_main_params_to_model_params()
