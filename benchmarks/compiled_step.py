@@ -20,20 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def _device_module(device: str):
-    import torch
-    if device == "npu":
-        import torch_npu  # noqa: F401  (registers the npu device)
-    return getattr(torch, device, None)
-
-
-def _sync(device: str) -> None:
-    module = _device_module(device)
-    if device != "cpu" and module is not None and hasattr(module, "synchronize"):
-        module.synchronize()
+from benchmarks._device import clock, rank_device, synchronize  # noqa: E402
 
 
 def _variants(device: str, params: int, numel: int):
@@ -86,16 +78,16 @@ def _variants(device: str, params: int, numel: int):
 def _time(step, before, device: str, steps: int, warmup: int) -> float:
     """Median step time: process CPU time on cpu (one thread; a loaded machine disturbs it far less than
     wall time), wall time with the device synchronised elsewhere."""
-    clock = time.process_time if device == "cpu" else time.perf_counter
+    now = clock(device)
     times = []
     for i in range(warmup + steps):
         before()
-        _sync(device)
-        start = clock()
+        synchronize(device)
+        start = now()
         step()
-        _sync(device)
+        synchronize(device)
         if i >= warmup:
-            times.append(clock() - start)
+            times.append(now() - start)
     return statistics.median(times)
 
 
@@ -103,12 +95,9 @@ def measure(device: str, backend: str, params: int, numel: int, steps: int, warm
     """Each variant timed in its own block, dynamo reset before each compiled one: on torch 2.13 a second
     ``AdamW(foreach=True)`` compiled in the same process fails in its resumed frame ("Expected scalars to
     be on CPU, got meta"), torch's own optimizer included, so compiled variants cannot be interleaved."""
-    import torch
     import torch._dynamo
 
-    if device == "cpu":
-        torch.set_num_threads(1)
-    families = _variants(device, params, numel)
+    families = _variants(str(rank_device(device, 0)), params, numel)   # one thread on cpu; npu registered
     results = {}
     for family, variants in families.items():
         row = {}

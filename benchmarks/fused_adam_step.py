@@ -1,7 +1,10 @@
 """FusedAdam step time on DTensor shards vs torch AdamW(fused=True) (docs/design.md#6-performance-targets), 2
-gloo ranks.
+ranks.
 
-    python benchmarks/fused_adam_step.py [--json] [--repeats N]
+    python benchmarks/fused_adam_step.py [--json] [--repeats N] [--device cpu|cuda|npu] [--world N]
+
+On cpu: 2 gloo ranks, wall time. On an accelerator (``--device``): one rank per device, at most 2, over
+the device's backend, wall time with the device synchronised around each step (benchmarks/_device.py).
 
 For each shard shape (4 x 1M and 400 x 10k fp32 elements per rank) it times, on the same data:
   ours_dtensor   npu_fsdp_patches.optim.FusedAdam on DTensor params (Shard(0))
@@ -23,21 +26,22 @@ from pathlib import Path
 SHAPES = {"4x1M": (4, 1_000_000), "400x10k": (400, 10_000)}
 
 
-def rank_main(rank: int, world: int, repeats: int = 30, warmup: int = 5):
+def rank_main(rank: int, world: int, repeats: int = 30, warmup: int = 5, device: str = "cpu"):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    from benchmarks._device import rank_device, synchronize
     from npu_fsdp_patches.optim import FusedAdam
 
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+    where = rank_device(device, rank)
+    mesh = init_device_mesh(device, (world,))
     out = {}
     for label, (count, numel) in SHAPES.items():
         gen = torch.Generator().manual_seed(rank)
-        locals_ = [torch.randn(numel, generator=gen) for _ in range(count)]
-        grads = [torch.randn(numel, generator=gen) * 1e-2 for _ in range(count)]
+        locals_ = [torch.randn(numel, generator=gen).to(where) for _ in range(count)]
+        grads = [(torch.randn(numel, generator=gen) * 1e-2).to(where) for _ in range(count)]
 
         def dtensors():
             ps = [torch.nn.Parameter(DTensor.from_local(t.clone(), mesh, [Shard(0)],
@@ -63,10 +67,12 @@ def rank_main(rank: int, world: int, repeats: int = 30, warmup: int = 5):
         times = {name: [] for name in opts}
         for i in range(warmup + repeats):
             for name, opt in opts.items():  # interleaved, so drift hits every variant alike
+                synchronize(device)
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.step()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                synchronize(device)
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=where)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 if i >= warmup:
                     times[name].append(dt.item())
@@ -78,21 +84,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, one per device up to 2)")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root))
-    from tests.distributed import run_ranks
+    from benchmarks._device import default_world, run_on_ranks
 
-    res = run_ranks("benchmarks.fused_adam_step:rank_main", 2, args={"repeats": args.repeats},
-                    timeout=600, env={"TORCH_DEVICE_BACKEND_AUTOLOAD":
-                                      os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")})[0]
-    report = {"world_size": 2, "threads_per_rank": 1, "median_step_s": res, "ratios": {
+    world = args.world or default_world(args.device)
+    res = run_on_ranks("benchmarks.fused_adam_step:rank_main", args.device, world, {"repeats": args.repeats},
+                       timeout=600, env={"TORCH_DEVICE_BACKEND_AUTOLOAD":
+                                         os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")})[0]
+    report = {"device": args.device, "world_size": world, "threads_per_rank": 1, "median_step_s": res, "ratios": {
         label: {"ours_dtensor/torch_local": r["ours_dtensor"] / r["torch_local"],
                 "ours_dtensor/torch_dtensor": r["ours_dtensor"] / r["torch_dtensor"]}
         for label, r in res.items()}}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    print(f"FusedAdam step on {args.device}, {world} rank(s), median of {args.repeats} steps, max over ranks")
     print(f"{'shape':<9} {'ours_dtensor':>13} {'torch_dtensor':>14} {'torch_local':>12} "
           f"{'ours/local':>11} {'ours/torch_dt':>14}")
     for label, r in res.items():

@@ -2,9 +2,10 @@
 (docs/design.md#6-performance-targets, docs/performance.md).
 
     python benchmarks/main_params_step.py [--json] [--steps N] [--warmup N] [--params N] [--rows N] [--cols N]
-                                          [--backend inductor] [--no-compile]
+                                          [--backend inductor] [--no-compile] [--device cpu|cuda|npu] [--world N]
 
-Two gloo ranks; each param is a torch DTensor sharded Shard(0) over both. Per rank it times torch's
+Two gloo ranks on cpu; on an accelerator (``--device``) one rank per device, at most 2, over the device's backend
+(benchmarks/_device.py). Each param is a torch DTensor sharded Shard(0) over both. Per rank it times torch's
 ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` on fp32 params (the baselines) against MainParamsOptimizer
 over ``AdamW(foreach=True)`` on bf16 params (the grad cast, AdamW on the fp32 main params, the copy back), for
 both grad sources: bf16 ``grad`` (cast to fp32, what torch FSDP2 hands over) and fp32 ``main_grad``
@@ -14,7 +15,8 @@ data so they share noise; then the compiled variants (``torch.compile(step, back
 foreach AdamW and the two wrapper cases; torch's fused AdamW is not traced by dynamo, its compiled step is its
 eager one) are compiled and warmed up in turn (``--warmup`` steps, compilation included) and stepped
 round-robin the same way. Times are
-process CPU time per rank (one thread; no collective runs in a step), medians of the timed steps; ratios are
+process CPU time per rank on cpu (one thread; no collective runs in a step), wall time with the device
+synchronised around each step on an accelerator, medians of the timed steps; ratios are
 the wrapper against torch's foreach AdamW in the same mode (eager/eager, compiled/compiled; target <= 1.05
 for the bf16 grad, <= 1.07 for the fp32 main_grad) and against torch's fused AdamW. Memory is counted from
 storages: the bytes of the main params' local storages per low-precision element (target exactly 4) and
@@ -30,22 +32,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _rank(rank, world, steps, warmup, params, rows, cols, backend):
+def _rank(rank, world, steps, warmup, params, rows, cols, backend, device="cpu"):
     import torch
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from benchmarks._device import clock as device_clock
+    from benchmarks._device import rank_device, synchronize
     from npu_fsdp_patches.optim import MainParamsOptimizer
     from npu_fsdp_patches.optim.tensors import local_tensor
 
+    where = rank_device(device, rank)
     torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
 
     def model(dtype):
         m = nn.Module()
         for i in range(params):
-            w = distribute_tensor(torch.randn(rows, cols), mesh, [Shard(0)]).to(dtype)
+            w = distribute_tensor(torch.randn(rows, cols).to(where), mesh, [Shard(0)]).to(dtype)
             m.register_parameter(f"w{i}", nn.Parameter(w))
         return m
 
@@ -56,7 +61,7 @@ def _rank(rank, world, steps, warmup, params, rows, cols, backend):
             else:
                 p.grad = torch.randn_like(p) * 1e-3
 
-    clock = time.process_time
+    clock = device_clock(device)
 
     def timed_pair(runs):
         """Median step time of each (model, optimizer), steps interleaved so they share noise."""
@@ -64,8 +69,10 @@ def _rank(rank, world, steps, warmup, params, rows, cols, backend):
         for _ in range(warmup + steps):
             for (m, opt), out in zip(runs, times):
                 grads(m)
+                synchronize(device)
                 t0 = clock()
                 opt.step()
+                synchronize(device)
                 out.append(clock() - t0)
                 opt.zero_grad()
         return [statistics.median(t[warmup:]) for t in times]
@@ -84,8 +91,10 @@ def _rank(rank, world, steps, warmup, params, rows, cols, backend):
         for _ in range(steps):
             for (m, opt, step), out in zip(compiled, times):
                 grads(m)
+                synchronize(device)
                 t0 = clock()
                 step()
+                synchronize(device)
                 out.append(clock() - t0)
                 opt.zero_grad()
         torch._dynamo.reset()
@@ -144,11 +153,14 @@ def main():
     parser.add_argument("--cols", type=int, default=512)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--no-compile", action="store_true", help="eager steps only")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, one per device up to 2)")
     args = parser.parse_args()
-    from tests.distributed import run_ranks
-    results = run_ranks("benchmarks.main_params_step:_rank", world_size=2, timeout=1200,
-                        args={"steps": args.steps, "warmup": args.warmup, "params": args.params, "rows": args.rows,
-                              "cols": args.cols, "backend": None if args.no_compile else args.backend})
+    from benchmarks._device import default_world, run_on_ranks
+    world = args.world or default_world(args.device)
+    results = run_on_ranks("benchmarks.main_params_step:_rank", args.device, world, timeout=1200,
+                           args={"steps": args.steps, "warmup": args.warmup, "params": args.params, "rows": args.rows,
+                                 "cols": args.cols, "backend": None if args.no_compile else args.backend})
     modes = [m for m in ("eager", "compiled") if m in results[0]]
     summary = {"config": vars(args), "ranks": results, "target_ratio": 1.05, "target_ratio_fp32_main_grad": 1.07,
                "bytes_per_lp_element": results[0]["bytes_per_lp_element"],
@@ -159,8 +171,9 @@ def main():
     if args.json:
         print(json.dumps(summary, indent=2))
         return
-    print(f"{args.params} params of {args.rows}x{args.cols} (Shard(0) over 2 gloo ranks), median of {args.steps} "
-          f"steps, process CPU time per rank (ms); compiled: backend {args.backend}")
+    timing = "process CPU time" if args.device == "cpu" else "wall time, device synchronised,"
+    print(f"{args.params} params of {args.rows}x{args.cols} (Shard(0) over {world} rank(s) on {args.device}), median "
+          f"of {args.steps} steps, {timing} per rank (ms); compiled: backend {args.backend}")
     print(f"{'rank':>4} {'mode':>9} {'AdamW foreach':>14} {'AdamW fused':>12} {'wrapped bf16 grad':>18} "
           f"{'ratio':>6} {'/fused':>7} {'wrapped fp32 main_grad':>23} {'ratio':>6} {'/fused':>7}")
     for r in results:

@@ -15,9 +15,17 @@ def main() -> None:
     module_name, func_name = os.environ["NPU_FSDP_RANK_TARGET"].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world,
+    backend = os.environ.get("NPU_FSDP_RANK_BACKEND", "gloo")
+    if backend != "gloo":   # an accelerator benchmark (benchmarks/_device.py): this rank's device first
+        import torch
+        if backend == "hccl":
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        module = torch.npu if backend == "hccl" else torch.cuda
+        module.set_device(int(os.environ["LOCAL_RANK"]) % module.device_count())
+    dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    fix_gloo_reduce_scatter_avg()   # older torch: gloo sums for AVG (see tests/old_torch_cpu.py)
+    if backend == "gloo":
+        fix_gloo_reduce_scatter_avg()   # older torch: gloo sums for AVG (see tests/old_torch_cpu.py)
     try:
         result = func(rank, world, **json.loads(os.environ["NPU_FSDP_RANK_ARGS"]))
         dist.barrier()

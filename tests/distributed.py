@@ -28,8 +28,9 @@ def _free_port() -> int:
 
 
 def run_ranks(target: str, world_size: int = 2, *, args: dict | None = None,
-              timeout: float = 300.0, env: dict | None = None) -> list[Any]:
-    """Launch ``world_size`` ranks running ``target`` ("pkg.module:function"); return their results."""
+              timeout: float = 300.0, env: dict | None = None, backend: str = "gloo") -> list[Any]:
+    """Launch ``world_size`` ranks running ``target`` ("pkg.module:function"); return their results.
+    ``backend`` is the process group's (gloo unless a benchmark runs on an accelerator)."""
     with tempfile.TemporaryDirectory(prefix="npu_fsdp_ranks_") as tmp:
         port = _free_port()
         procs = []
@@ -42,6 +43,7 @@ def run_ranks(target: str, world_size: int = 2, *, args: dict | None = None,
                 "OMP_NUM_THREADS": "1",
                 "NPU_FSDP_RANK_TARGET": target,
                 "NPU_FSDP_RANK_ARGS": json.dumps(args or {}),
+                "NPU_FSDP_RANK_BACKEND": backend,
                 "NPU_FSDP_RANK_RESULT": os.path.join(tmp, f"rank{rank}.pkl"),
                 "PYTHONPATH": os.pathsep.join(
                     [str(REPO_ROOT)] + [p for p in [rank_env.get("PYTHONPATH")] if p]),
