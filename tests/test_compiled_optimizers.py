@@ -8,7 +8,10 @@ bit-identical params and states under ``aot_eager`` (and under inductor for the 
 stated bound is 0 ulp, what the CPU inductor kernels give); no graph-break site torch's counterpart lacks;
 no recompile after the warm-up steps (``error_on_recompile``). Every case runs in fresh interpreters
 (tests/distributed.py): world size 1 for plain tensors, 2 gloo ranks for ``Shard(0)`` DTensors with
-uneven shards and ``fully_shard``.
+uneven shards and ``fully_shard``. Besides the default settings: other torch leaves under the main-params
+wrapper, a tensor lr changed in place every step, several param groups with fp32 ``main_grad`` and
+``zero_grad(set_to_none=False)``, and Muon + AdamW on 2 ranks. Break sites are also kept per step, because a
+tensor lr is allowed one extra site at a fresh wrapper's first step only (docs/performance.md#compiled-steps).
 """
 from __future__ import annotations
 
@@ -25,10 +28,19 @@ AOT_CASES = [["foreach_case", {"dtype": "bfloat16"}], ["fused_case", {}], ["main
 #: maximize, foreach resolved by torch (None), the single-tensor path (foreach=False)
 OTHER_LEAVES = [["main_params_case", {"leaf": ["Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)]}],
                 ["main_params_case", {"leaf": ["AdamW", dict(lr=1e-2, weight_decay=0.1, foreach=False)]}]]
-PLAIN_ONLY = OTHER_LEAVES + [["foreach_case", {"dtype": "float32", "eager": True}]] + (
+#: the main-params step as trainers drive it: a tensor lr decayed in place every step (torch's way to change
+#: the lr without recompiling; the leaf AdamW(foreach=True, capturable=True), as torch requires), and several
+#: param groups (one with amsgrad) whose grads are accumulated into fp32 ``main_grad`` attributes and zeroed
+#: in place by ``zero_grad(set_to_none=False)``
+TRAINER_CASES = [["main_params_case", {"lr_tensor": True}],
+                 ["main_params_case", {"groups": [{"lr": 1e-3, "weight_decay": 0.0, "amsgrad": True},
+                                                  {"lr": 2e-2, "betas": [0.9, 0.99]}],
+                                       "main_grad": True, "keep_grads": True}]]
+PLAIN_ONLY = OTHER_LEAVES + TRAINER_CASES + [["foreach_case", {"dtype": "float32", "eager": True}]] + (
     [["main_params_case", {"muon": True}]] if HAS_MUON else [])   # Muon for the matrices, AdamW the rest
-#: the 2-rank main-params case trains a ``fully_shard`` model: FSDP2 forward/backward on CPU (torch >= 2.7)
-TWO_RANK_CASES = [case for case in AOT_CASES if FSDP2_ON_CPU or case[0] != "main_params_case"]
+#: the 2-rank main-params cases train a ``fully_shard`` model: FSDP2 forward/backward on CPU (torch >= 2.7)
+TWO_RANK_CASES = [case for case in AOT_CASES + TRAINER_CASES[:1] + (
+    [["main_params_case", {"muon": True}]] if HAS_MUON else []) if FSDP2_ON_CPU or case[0] != "main_params_case"]
 #: the inductor subset: the two traced steps (FusedAdam's update is never traced, see fused_adam_step.py)
 INDUCTOR_CASES = [["foreach_case", {"dtype": "bfloat16", "backend": "inductor"}],
                   ["main_params_case", {"backend": "inductor"}]]
@@ -55,7 +67,15 @@ def _check_case(name: str, result: dict) -> None:
     assert ours["recompiled"] is None, f"{name}: {ours['recompiled']}"
     assert ref["recompiled"] is None, f"{name} (torch's counterpart): {ref['recompiled']}"
     assert _mismatches(ours, ref) == [], f"{name}: compiled bits differ from torch's counterpart compiled"
-    if name.startswith("fused_case"):
+    if "lr_tensor=True" in name:
+        # a fresh wrapper reads its tensor lr once, after its first step (a graph break there: the value decides
+        # whether the main params are still derived from the model, docs/performance.md#compiled-steps);
+        # from the second step on, no break site torch's counterpart lacks (before: one in every step)
+        first, later = ours["step_sites"][0], set().union(*ours["step_sites"][1:])
+        assert later <= set(ref["sites"]), (name, ours["step_sites"], ref["sites"])
+        extra = set(first) - set(ref["sites"])
+        assert all(site.startswith("optim/main_params.py:") for site in extra) and len(extra) <= 1, (name, first)
+    elif name.startswith("fused_case"):
         # torch graph-breaks at its optimizer's _use_grad and at the disabled _fused_adam call; ours at the
         # one call of the never-traced update (fused_adam_step.adam_step)
         assert len(ours["sites"]) <= len(ref["sites"]), (ours["sites"], ref["sites"])

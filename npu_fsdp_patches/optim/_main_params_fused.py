@@ -129,7 +129,9 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=group["maximize"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default))
-    if any(_nonzero(group.get("lr", 1.0)) for group in leaf.param_groups):
+    # as step_with_ready_grads: the lr (a tensor lr is data, a graph break) is read only while a main param is
+    # still derived from the model, so a trained wrapper's compiled step stays one graph with a tensor lr
+    if opt._derived_from_model and any(_nonzero(group.get("lr", 1.0)) for group in leaf.param_groups):
         opt._derived_from_model = set()
     opt._copy_main_params_to_model_params()
 

@@ -245,8 +245,10 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 leaf.step()
         else:
             self.optimizer.step()   # a chained optimizer keeps its own step order
-        if any(_nonzero(group.get("lr", 1.0)) for group in self.param_groups):
-            self._derived_from_model = set()   # trained (torch's priming step runs at lr=0)
+        # trained (torch's priming step runs at lr=0). Asked only while some main param is still derived:
+        # a tensor lr's value is data dynamo cannot branch on (a graph break on every compiled step)
+        if self._derived_from_model and any(_nonzero(group.get("lr", 1.0)) for group in self.param_groups):
+            self._derived_from_model = set()
         self._copy_main_params_to_model_params()
         return True
 

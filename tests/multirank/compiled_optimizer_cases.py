@@ -108,9 +108,12 @@ def _compiled_run(build, set_grads, backend):
     step, result = build()
     compiled = torch.compile(step, backend=backend)
     recompiled = None
+    per_step = []
     with _BreakSites() as sites:
         try:
             for i in range(STEPS):
+                per_step.append(set(sites.sites))
+                sites.sites.clear()
                 set_grads(i)
                 torch._dynamo.config.error_on_recompile = i >= WARM
                 try:
@@ -121,7 +124,8 @@ def _compiled_run(build, set_grads, backend):
                     compiled()
         finally:
             torch._dynamo.config.error_on_recompile = False
-    return {"tensors": [_full(t) for t in result()], "sites": sorted(sites.sites),
+    per_step = [sorted(s) for s in per_step[1:] + [set(sites.sites)]]   # the sites each step traced
+    return {"tensors": [_full(t) for t in result()], "sites": sorted(set().union(*per_step)), "step_sites": per_step,
             "breaks": _breaks(counters), "recompiled": recompiled}
 
 
@@ -248,7 +252,8 @@ class _Fp32MasterReference:
     @torch.no_grad()
     def step(self):
         for p, m in zip(self.params, self.masters):
-            m.grad = p.grad.float()
+            grad = getattr(p, "main_grad", None)   # as the wrapper: an fp32 main_grad first, else grad
+            m.grad = (p.grad if grad is None else grad).float()
             p.grad = None
         for opt in self.opts:
             opt.step()
@@ -263,12 +268,46 @@ def _state_tensors(state: dict) -> list:
     return [v for k, v in sorted(state.items()) if isinstance(v, torch.Tensor) and k != "main_param"]
 
 
+def _leaf_factory(leaf, lr_tensor, groups):
+    """``params -> torch optimizer`` for ``leaf`` (``[class name, kwargs]``): with ``lr_tensor`` every lr a
+    0-dim tensor (torch's way to change the lr without recompiling); ``groups``: per-group overrides, group i
+    holding the i-th param and the last one the rest."""
+    def make(params):
+        params = list(params)
+        kwargs = dict(leaf[1])
+        lr = (lambda value: torch.tensor(value)) if lr_tensor else (lambda value: value)
+        if "lr" in kwargs:
+            kwargs["lr"] = lr(kwargs["lr"])
+        if not groups:
+            return getattr(torch.optim, leaf[0])(params, **kwargs)
+        split = [{"params": [p], **{k: (lr(v) if k == "lr" else v) for k, v in g.items()}}
+                 for p, g in zip(params, groups)]
+        split[-1]["params"] = params[len(groups) - 1:]
+        return getattr(torch.optim, leaf[0])(split, **kwargs)
+    return make
+
+
+def _decay_lr(groups, factor):
+    """An LR schedule step: a tensor lr changes in place (no recompile), a float lr is replaced."""
+    for group in groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].mul_(factor)
+        else:
+            group["lr"] *= factor
+
+
 def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False,
-                     leaf=None):
-    """compiled ``MainParamsOptimizer`` over AdamW (or Muon + AdamW, plain tensors) vs a compiled
-    fp32-master reference; world 2 is ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or
-    fp32. ``leaf``: ``[class name, kwargs]`` of another torch optimizer for both (e.g. Adam with amsgrad)."""
-    leaf_factory = (lambda params: getattr(torch.optim, leaf[0])(params, **leaf[1])) if leaf else None
+                     leaf=None, lr_tensor=False, groups=None, main_grad=False, keep_grads=False):
+    """compiled ``MainParamsOptimizer`` over AdamW (or Muon + AdamW) vs a compiled fp32-master reference;
+    world 2 is ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or fp32. ``leaf``: ``[class
+    name, kwargs]`` of another torch optimizer for both (e.g. Adam with amsgrad). ``lr_tensor``: every lr a
+    tensor, decayed in place before each step after the first; ``groups``: several param groups (see
+    ``_leaf_factory``); ``main_grad``: the grads accumulated into fp32 ``main_grad`` attributes, as hyper and
+    Megatron write them; ``keep_grads``: ``zero_grad(set_to_none=False)`` between steps (the reference zeroes
+    the same tensors in place)."""
+    if lr_tensor or groups:   # a tensor lr with foreach needs capturable=True (torch's recipe)
+        leaf = leaf or ["AdamW", {**ADAMW, "foreach": True, "capturable": lr_tensor}]
+    leaf_factory = _leaf_factory(leaf, lr_tensor, groups) if leaf else None
     mesh = _mesh(world)
     holder = {}
 
@@ -281,19 +320,36 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
                         if muon else leaf_factory(model.parameters()) if leaf_factory
                         else torch.optim.AdamW(model.parameters(), foreach=True, **ADAMW))
                 opt = MainParamsOptimizer(leaf, model)
+                holder["groups"], holder["zero_grad"] = opt.param_groups, opt.zero_grad
                 mains = [opt.main_param(p) for p in model.parameters()]
                 return opt.step, lambda: list(model.parameters()) + mains + [
                     t for p in model.parameters() for t in _state_tensors(opt.state[p])]
             ref = _Fp32MasterReference(model, muon, leaf_factory)
+            holder["groups"] = [g for opt in ref.opts for g in opt.param_groups]
+            holder["zero_grad"] = lambda set_to_none: [getattr(p, name).zero_() for p in model.parameters()
+                                                       for name in ("grad", "main_grad")
+                                                       if getattr(p, name, None) is not None]
             return ref.step, lambda: list(model.parameters()) + ref.masters + [
                 t for ts in ref.states() for t in ts]
         return make
 
     def grads(i):
         model = holder["model"]
+        if i and keep_grads:
+            holder["zero_grad"](set_to_none=False)
+        if i and lr_tensor:
+            _decay_lr(holder["groups"], 0.9)
         x = torch.randn(6, 4, generator=torch.Generator().manual_seed(200 + i)).to(torch.bfloat16)
         x = x[rank * 3:(rank + 1) * 3] if world > 1 else x
         F.mse_loss(model(x).float(), torch.zeros(x.shape[0], 7)).backward()
+        if main_grad:   # accumulated into a persistent fp32 main_grad, the model grad released
+            with torch.no_grad():
+                for p in model.parameters():
+                    if getattr(p, "main_grad", None) is None:
+                        p.main_grad = p.grad.float()
+                    else:
+                        p.main_grad.add_(p.grad)
+                    p.grad = None
 
     out = {"ours": _compiled_run(build(True), grads, backend),
            "torch": _compiled_run(build(False), grads, backend)}
