@@ -1,10 +1,11 @@
 """Where a benchmark runs: the device, its process-group backend, its clock and its rank launcher.
 
 Every step benchmark takes ``--device cpu|cuda|npu`` (benchmarks/device_run.sh passes the device it was
-given). On cpu a step is timed in process CPU time with one thread (a loaded machine disturbs it far less
-than wall time) and ranks talk over gloo; on an accelerator a step is timed in wall time with the device
-synchronised before and after it, each rank drives the device of its local rank, and ranks talk over the
-device's own backend (nccl, hccl). torch_npu is imported only for ``npu``.
+given). On cpu a step is timed in the CPU time of the thread that steps, with one thread, so torch computes
+in it (a loaded machine disturbs it far less than wall time, and background threads, gloo's and inductor's
+compile workers, are left out), and ranks talk over gloo. On an accelerator a step is timed in wall time
+with the device synchronised before and after it, each rank drives the device of its local rank, and
+ranks talk over the device's own backend (nccl, hccl). torch_npu is imported only for ``npu``.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def synchronize(device: str) -> None:
 
 
 def clock(device: str) -> Callable[[], float]:
-    """Process CPU time on cpu, wall time elsewhere (callers synchronise around what they time)."""
-    return time.process_time if device == "cpu" else time.perf_counter
+    """The calling thread's CPU time on cpu, wall time elsewhere (callers synchronise around what they time)."""
+    return time.thread_time if device == "cpu" else time.perf_counter
 
 
 def default_world(device: str) -> int:

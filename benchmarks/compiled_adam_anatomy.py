@@ -2,8 +2,8 @@
 
     python benchmarks/compiled_adam_anatomy.py [--sizes 8x524288,8x4194304] [--steps 30] [--json]
 
-One process, one thread, plain tensors, inductor, the CPU time of the stepping thread (not the compile workers). Two measurements, each variant stepped
-interleaved:
+One process, one thread, plain tensors, inductor, the CPU time of the stepping thread (not the compile
+workers'). Two measurements, each variant stepped interleaved:
   sizes       torch's compiled fp32 ``AdamW(foreach=True)`` against the compiled ``MainParamsOptimizer`` over
               the same AdamW on bf16 params (bf16 grad; fp32 ``main_grad``), in ns per element, at sizes
               inside and beyond the last-level cache: a memory-bound kernel slows down past the cache.

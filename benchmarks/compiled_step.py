@@ -9,8 +9,9 @@ stepped round-robin on the same data, each variant ``torch.compile(step, backend
   fused        torch ``AdamW(fused=True).step``          vs ``FusedAdam.step`` (fp32)
   main_params  torch ``AdamW(foreach=True)`` on fp32 params vs ``MainParamsOptimizer`` over that AdamW on
                bf16 params with bf16 grads (the cast, the step on fp32 main params, the copy back)
-Times are medians of the timed steps after warm-up (compilation is in the warm-up): process CPU time
-with one thread on cpu, wall time with the device synchronised around each step elsewhere; each variant
+Times are medians of the timed steps after warm-up (compilation is in the warm-up): the stepping
+thread's CPU time with one thread on cpu, wall time with the device synchronised around each step
+elsewhere; each variant
 runs as one block (see ``measure``). Prints a table of milliseconds and the ratios ours/torch (same
 mode) and compiled/eager; ``--json`` prints the same machine-readable. ``--quick`` shrinks everything to
 a smoke run (the CPU path of benchmarks/device_run.sh's test).
@@ -76,7 +77,7 @@ def _variants(device: str, params: int, numel: int):
 
 
 def _time(step, before, device: str, steps: int, warmup: int) -> float:
-    """Median step time: process CPU time on cpu (one thread; a loaded machine disturbs it far less than
+    """Median step time: the stepping thread's CPU time on cpu (one thread; a loaded machine disturbs it far less than
     wall time), wall time with the device synchronised elsewhere."""
     now = clock(device)
     times = []

@@ -3,8 +3,8 @@
     python benchmarks/foreach_adamw_overhead.py [--json] [--repeats N] [--device cpu|cuda|npu]
 
 One process (world size 1: gloo and one thread on cpu, the device's backend on an accelerator), so no
-barrier or cross-rank max adds noise; the variants are stepped interleaved and timed in process CPU time
-on cpu, which a loaded machine disturbs less than wall time, and in wall time with the device
+barrier or cross-rank max adds noise; the variants are stepped interleaved and timed in the stepping
+thread's CPU time on cpu, which a loaded machine disturbs less than wall time, and in wall time with the device
 synchronised around each step on an accelerator (benchmarks/_device.py).
 Per shape (4 x 1M and 400 x 10k bf16 elements) it prints the medians of
   torch_plain     AdamW(foreach=True).step() on plain tensors

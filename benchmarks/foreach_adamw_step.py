@@ -1,7 +1,7 @@
 """Step time of ``foreach_adamw_step`` vs ``torch.optim.AdamW(foreach=True)`` (docs/design.md#6-performance-targets).
 
-    python benchmarks/foreach_adamw_step.py [--json] [--repeats N] [--dtype bf16|fp32] [--device cpu|cuda|npu]
-                                            [--world N]
+    python benchmarks/foreach_adamw_step.py [--json] [--repeats N] [--dtype bf16|fp32]
+                                            [--device cpu|cuda|npu] [--world N]
 
 2 gloo ranks on cpu; on an accelerator (``--device``) one rank per device, at most 2, over the device's
 backend, the device synchronised around each step (benchmarks/_device.py). Per rank: 4 x 1M and 400 x 10k elements. Four variants, timed round-robin so they

@@ -15,7 +15,7 @@ data so they share noise; then the compiled variants (``torch.compile(step, back
 foreach AdamW and the two wrapper cases; torch's fused AdamW is not traced by dynamo, its compiled step is its
 eager one) are compiled and warmed up in turn (``--warmup`` steps, compilation included) and stepped
 round-robin the same way. Times are
-process CPU time per rank on cpu (one thread; no collective runs in a step), wall time with the device
+the stepping thread's CPU time per rank on cpu (one thread; no collective runs in a step), wall time with the device
 synchronised around each step on an accelerator, medians of the timed steps; ratios are
 the wrapper against torch's foreach AdamW in the same mode (eager/eager, compiled/compiled; target <= 1.05
 for the bf16 grad, <= 1.07 for the fp32 main_grad) and against torch's fused AdamW. Memory is counted from
@@ -171,7 +171,7 @@ def main():
     if args.json:
         print(json.dumps(summary, indent=2))
         return
-    timing = "process CPU time" if args.device == "cpu" else "wall time, device synchronised,"
+    timing = "thread CPU time" if args.device == "cpu" else "wall time, device synchronised,"
     print(f"{args.params} params of {args.rows}x{args.cols} (Shard(0) over {world} rank(s) on {args.device}), median "
           f"of {args.steps} steps, {timing} per rank (ms); compiled: backend {args.backend}")
     print(f"{'rank':>4} {'mode':>9} {'AdamW foreach':>14} {'AdamW fused':>12} {'wrapped bf16 grad':>18} "
