@@ -12,10 +12,10 @@ def main() -> None:
 
     from tests.old_torch_cpu import fix_gloo_reduce_scatter_avg
 
-    module_name, func_name = os.environ["NPU_FSDP_RANK_TARGET"].split(":")
+    module_name, func_name = os.environ["TESTS_RANK_TARGET"].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = os.environ.get("NPU_FSDP_RANK_BACKEND", "gloo")
+    backend = os.environ.get("TESTS_RANK_BACKEND", "gloo")
     if backend != "gloo":   # an accelerator benchmark (benchmarks/_device.py): this rank's device first
         import torch
         if backend == "hccl":
@@ -27,11 +27,11 @@ def main() -> None:
     if backend == "gloo":
         fix_gloo_reduce_scatter_avg()   # older torch: gloo sums for AVG (see tests/old_torch_cpu.py)
     try:
-        result = func(rank, world, **json.loads(os.environ["NPU_FSDP_RANK_ARGS"]))
+        result = func(rank, world, **json.loads(os.environ["TESTS_RANK_ARGS"]))
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    with open(os.environ["NPU_FSDP_RANK_RESULT"], "wb") as fh:
+    with open(os.environ["TESTS_RANK_RESULT"], "wb") as fh:
         pickle.dump(result, fh)
     # Skip interpreter teardown: gloo's background threads can abort the process at exit
     # ("terminate called without an active exception") after all work is done and reported.

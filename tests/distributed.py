@@ -41,10 +41,11 @@ def run_ranks(target: str, world_size: int = 2, *, args: dict | None = None,
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
-                "NPU_FSDP_RANK_TARGET": target,
-                "NPU_FSDP_RANK_ARGS": json.dumps(args or {}),
-                "NPU_FSDP_RANK_BACKEND": backend,
-                "NPU_FSDP_RANK_RESULT": os.path.join(tmp, f"rank{rank}.pkl"),
+                # not NPU_FSDP_*: the plugin warns about a variable of that prefix it does not know
+                "TESTS_RANK_TARGET": target,
+                "TESTS_RANK_ARGS": json.dumps(args or {}),
+                "TESTS_RANK_BACKEND": backend,
+                "TESTS_RANK_RESULT": os.path.join(tmp, f"rank{rank}.pkl"),
                 "PYTHONPATH": os.pathsep.join(
                     [str(REPO_ROOT)] + [p for p in [rank_env.get("PYTHONPATH")] if p]),
             })
