@@ -86,9 +86,7 @@ def compiled_adam_step(opt) -> bool:
 
 @torch.no_grad()
 def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
-    if opt._derived_from_model:   # as step_with_ready_grads: main params never trained are refreshed first
-        opt._copy_pairs(to_model=False, pairs=[(m, f) for m, f in opt._low_precision_pairs()
-                                               if id(f) in opt._derived_from_model])
+    opt._refresh_derived_main_params()   # as step_with_ready_grads
     for model, main in opt._low_precision_pairs():   # as prepare_grads; the grads are held in plan
         model.grad = None
         main.grad = None
@@ -129,12 +127,4 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=group["maximize"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default))
-    # as step_with_ready_grads: the lr (a tensor lr is data, a graph break) is read only while a main param is
-    # still derived from the model, so a trained wrapper's compiled step stays one graph with a tensor lr
-    if opt._derived_from_model and any(_nonzero(group.get("lr", 1.0)) for group in leaf.param_groups):
-        opt._derived_from_model = set()
-    opt._copy_main_params_to_model_params()
-
-
-def _nonzero(lr) -> bool:
-    return bool(lr != 0) if not torch.is_tensor(lr) else bool((lr != 0).any())
+    opt._finish_step(leaf.param_groups)   # as step_with_ready_grads

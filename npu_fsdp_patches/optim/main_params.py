@@ -237,20 +237,28 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         Main params still as derived from the model (never trained or loaded) are first refreshed
         from it: the model may have been loaded since, and torch's priming step would otherwise
         copy the stale values over it."""
-        if self._derived_from_model:
-            self._copy_pairs(to_model=False, pairs=[(m, f) for m, f in self._low_precision_pairs()
-                                                     if id(f) in self._derived_from_model])
+        self._refresh_derived_main_params()
         if isinstance(self.optimizer, (list, tuple, dict)):
             for leaf in self.leaf_optimizers:
                 leaf.step()
         else:
             self.optimizer.step()   # a chained optimizer keeps its own step order
-        # trained (torch's priming step runs at lr=0). Asked only while some main param is still derived:
-        # a tensor lr's value is data dynamo cannot branch on (a graph break on every compiled step)
-        if self._derived_from_model and any(_nonzero(group.get("lr", 1.0)) for group in self.param_groups):
+        self._finish_step(self.param_groups)
+        return True
+
+    def _refresh_derived_main_params(self) -> None:
+        """Before a step: main params still as derived from the model take the model's current values."""
+        if self._derived_from_model:
+            self._copy_pairs(to_model=False, pairs=[(m, f) for m, f in self._low_precision_pairs()
+                                                     if id(f) in self._derived_from_model])
+
+    def _finish_step(self, groups: list) -> None:
+        """After a step: the main params count as trained once a step ran at a nonzero lr (torch's priming
+        step runs at lr=0), then main -> model params. The lr is read only while some main param is still
+        derived: a tensor lr's value is data, on which dynamo would graph-break in every compiled step."""
+        if self._derived_from_model and any(_nonzero(group.get("lr", 1.0)) for group in groups):
             self._derived_from_model = set()
         self._copy_main_params_to_model_params()
-        return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``prepare_grads`` then ``step_with_ready_grads``. Compiled over one torch Adam/AdamW whose state
