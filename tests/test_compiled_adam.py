@@ -10,13 +10,16 @@ unpatched *compiled* run: compiled steps are not bit-equal to eager ones (docs/t
 
 Coverage (child code: tests/children/compiled_adam.py; fp32 and bf16 params, so two dtype groups):
 * plain tensors, ``aot_eager``: Adam and AdamW, each implementation (default, foreach=True, fused=True,
-  foreach=False), and AdamW default/foreach with the compiled step called inside SkipDTensorDispatch;
+  foreach=False) and each of three options that take other branches (amsgrad with maximize, amsgrad with
+  foreach, a tensor lr decayed in place with foreach and capturable), and AdamW default/foreach with the
+  compiled step called inside SkipDTensorDispatch;
 * plain tensors, the default inductor backend: a representative subset, AdamW default, foreach=True and
   foreach=False, because inductor's C++ compile on CPU costs seconds per graph. fused=True is left out:
   torch ``torch.compiler.disable``s ``_fused_adam``, so no graph reaches a backend and the ``aot_eager``
   case already covers it. Adam is left out: it runs the same wrapper and kernels as AdamW, which
   ``aot_eager`` covers for both;
-* 2-rank torch DTensors (gloo, CPU, uneven Shard(0) shards), ``aot_eager``: AdamW in all four;
+* 2-rank torch DTensors (gloo, CPU, uneven Shard(0) shards), ``aot_eager``: AdamW in all four, with
+  amsgrad on foreach and with a tensor lr;
 * the old hyper generation (module-global switch), ``aot_eager``: AdamW default and foreach;
 * the plugin imported before torch (its post-import hooks apply the patch while ``import torch`` runs,
   before ``torch.compiler`` exists), ``aot_eager``: AdamW default and foreach, foreach also under skip.
@@ -37,10 +40,13 @@ OFF = {"NPU_FSDP_PATCHES": "0"}
 #: hp_fp32_main_params' gate needs a trainer config the stand-in lacks; enabled so that it is applied too
 ON = {"NPU_FSDP_PATCHES_ENABLE": "hp_fp32_main_params"}
 IMPLS = ("default", "foreach", "fused", "single")
+#: options that take other branches (tests/children/compiled_adam.py IMPLS), on the default or foreach path
+OPTIONS = ("amsgrad_maximize", "foreach_amsgrad", "tensor_lr")
 PLAIN_RUNS = ([[cls, impl, "aot_eager", False] for cls in ("Adam", "AdamW") for impl in IMPLS]
+              + [[cls, impl, "aot_eager", False] for cls in ("Adam", "AdamW") for impl in OPTIONS]
               + [["AdamW", impl, "aot_eager", True] for impl in ("default", "foreach")]
               + [["AdamW", impl, "inductor", False] for impl in ("default", "foreach", "single")])
-DTENSOR_RUNS = [["AdamW", impl, "aot_eager", False] for impl in IMPLS]
+DTENSOR_RUNS = [["AdamW", impl, "aot_eager", False] for impl in IMPLS + ("foreach_amsgrad", "tensor_lr")]
 OLD_RUNS = [["AdamW", impl, "aot_eager", False] for impl in ("default", "foreach")]
 #: with the plugin imported before torch, against the same runs of the ``plain`` fixture's unpatched launch
 FIRST_RUNS = [["AdamW", impl, "aot_eager", skip] for impl, skip in (("default", False), ("foreach", False),
@@ -115,7 +121,7 @@ def mismatches(a: list, b: list) -> tuple[int, str]:
     """Elements whose bits differ between two runs' ``bits`` (per param: param, step, exp_avg,
     exp_avg_sq, each a list of integers), and the first one described; ``(0, "")`` means equal."""
     count, first = 0, ""
-    names = ("param", "step", "exp_avg", "exp_avg_sq")
+    names = ("param", "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     if len(a) != len(b):
         return max(len(a), len(b)), f"{len(a)} params against {len(b)}"
     for p, (ta, tb) in enumerate(zip(a, b)):
@@ -193,6 +199,9 @@ def test_runs_are_real_steps(plain):
     assert run["graphs"] >= 1 and run["ops"] > 0
     assert mismatches(run["bits"], first["bits"])[0] > 0   # AdamW's decoupled decay is not Adam's L2
     assert all(p[1] == [1077936128] for p in run["bits"])  # step == 3.0 (fp32 bits)
+    # the options took effect: amsgrad keeps a fourth state, the in-place lr decay changed the result
+    assert all(len(p) == 5 for p in plain["on"]["AdamW/foreach_amsgrad/aot_eager"]["bits"])
+    assert mismatches(plain["on"]["AdamW/tensor_lr/aot_eager"]["bits"], run["bits"])[0] > 0
 
 
 def test_the_comparer_catches_one_ulp(plain):
@@ -207,3 +216,8 @@ def test_the_comparer_catches_one_ulp(plain):
     with pytest.raises(AssertionError, match="1 elements differ"):
         assert_same_compiled_run(plain["off"]["AdamW/foreach/inductor"],
                                  {**plain["off"]["AdamW/foreach/inductor"], "bits": nudged}, "control", _torch(plain))
+    amsgrad = plain["off"]["AdamW/foreach_amsgrad/aot_eager"]["bits"]
+    nudged = [[list(t) for t in p] for p in amsgrad]
+    nudged[0][4][0] += 1          # an fp32 max_exp_avg_sq
+    assert mismatches(amsgrad, nudged) == (1, f"param 0 max_exp_avg_sq[0]: bits {amsgrad[0][4][0]} against "
+                                              f"{amsgrad[0][4][0] + 1}")

@@ -15,8 +15,12 @@ import re
 import sys
 from typing import Any
 
-#: torch's four implementations, as a user selects them
-IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}, "single": {"foreach": False}}
+#: torch's four implementations, as a user selects them, and options that take other branches of them:
+#: amsgrad with maximize, amsgrad on the foreach path, and a tensor lr (torch's way to change the lr without
+#: recompiling; with foreach torch requires capturable=True), decayed in place before every step
+IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}, "single": {"foreach": False},
+         "amsgrad_maximize": {"amsgrad": True, "maximize": True}, "foreach_amsgrad": {"foreach": True, "amsgrad": True},
+         "tensor_lr": {"foreach": True, "capturable": True, "lr": "tensor"}}
 DISPATCH_MODULE = "hyper_parallel.core.shard._op_dispatch"
 #: what hyper's training imports before it steps: the trainer (hp_fp32_main_params' target) and the
 #: dispatch module (SkipDTensorDispatch's switch), so both hyper patches are applied where their gates hold
@@ -80,18 +84,24 @@ def _compiled_run(cls_name: str, impl: str, backend: str, make, steps: int, unde
     counters.clear()
     params, set_grads = make()
     cls = getattr(torch.optim, cls_name)
-    opt = cls(params, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **IMPLS[impl])
+    options = {"lr": 1e-2, **IMPLS[impl]}
+    tensor_lr = options["lr"] == "tensor"
+    if tensor_lr:
+        options["lr"] = torch.tensor(1e-2)
+    opt = cls(params, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, **options)
     step = torch.compile(opt.step, backend=backend)
     try:
         for i in range(steps):
             set_grads(i)
+            if tensor_lr and i:
+                options["lr"].mul_(0.5)
             with _skip_context(under_skip):
                 step()
     except Exception as exc:  # noqa: BLE001 - reported, compared with the other environment
         return {"error": f"{type(exc).__name__}: {str(exc)[:600]}"}
     reasons = sorted({_reason(k) for k in counters["graph_break"]})
-    return {"bits": [[_bits(p)] + [_bits(opt.state[p][k]) for k in ("step", "exp_avg", "exp_avg_sq")]
-                     for p in params],
+    keys = ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if "amsgrad" in impl else ())
+    return {"bits": [[_bits(p)] + [_bits(opt.state[p][k]) for k in keys] for p in params],
             "graph_breaks": sum(counters["graph_break"].values()), "break_reasons": reasons,
             "graphs": counters["stats"]["unique_graphs"], "ops": counters["stats"]["calls_captured"],
             "cpu_s": round(time.process_time() - start, 2)}
