@@ -54,6 +54,14 @@ def rank_device(device: str, rank: int) -> Any:
     return torch.device(device, index)
 
 
+def add_device_arguments(parser: Any, ranks: bool = True) -> None:
+    """``--device`` (and, for a script that launches ranks, ``--world``) on a benchmark's parser."""
+    parser.add_argument("--device", default="cpu", choices=tuple(BACKENDS))
+    if ranks:
+        parser.add_argument("--world", type=int, default=None,
+                            help="ranks (default: 2 on cpu, one per device up to 2)")
+
+
 def run_on_ranks(target: str, device: str, world: int, args: dict, timeout: float, env: dict | None = None) -> list:
     """``target(rank, world, device=device, **args)`` on ``world`` ranks over the device's backend."""
     from tests.distributed import run_ranks

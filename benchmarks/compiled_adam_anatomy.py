@@ -17,10 +17,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._device import clock  # noqa: E402
+
+now = clock("cpu")   # the stepping thread's CPU time
 
 
 def _median_ns_per_element(steps: dict, numel: int, repeats: int) -> dict:
@@ -33,9 +36,9 @@ def _median_ns_per_element(steps: dict, numel: int, repeats: int) -> dict:
     for _ in range(repeats):
         for name, (step, before) in steps.items():
             before()
-            start = time.thread_time()
+            start = now()
             step()
-            times[name].append(time.thread_time() - start)
+            times[name].append(now() - start)
     return {name: statistics.median(t) / numel * 1e9 for name, t in times.items()}
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._device import clock, rank_device, synchronize  # noqa: E402
+from benchmarks._device import add_device_arguments, clock, rank_device, synchronize  # noqa: E402
 
 
 def _variants(device: str, params: int, numel: int):
@@ -118,7 +118,7 @@ def measure(device: str, backend: str, params: int, numel: int, steps: int, warm
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+    add_device_arguments(parser, ranks=False)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--params", type=int, default=8)
     parser.add_argument("--numel", type=int, default=256 * 1024)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._device import add_device_arguments  # noqa: E402
+
 SHAPES = {"4x1M": (4, 1_000_000), "400x10k": (400, 10_000)}
 
 
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
+    add_device_arguments(parser, ranks=False)
     args = parser.parse_args(argv)
     medians = measure(args.repeats, device=args.device)
     ratios = {label: {"ours_dtensor/torch_plain": m["ours_dtensor"] / m["torch_plain"],

@@ -74,15 +74,15 @@ def bench_rank(rank: int, world: int, repeats: int = 20, warmup: int = 3, dtype:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks._device import add_device_arguments, default_world, run_on_ranks
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
-    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, one per device up to 2)")
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks._device import default_world, run_on_ranks
 
     world = args.world or default_world(args.device)
     ranks = run_on_ranks("benchmarks.foreach_adamw_step:bench_rank", args.device, world,

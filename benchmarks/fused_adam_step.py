@@ -81,16 +81,14 @@ def rank_main(rank: int, world: int, repeats: int = 30, warmup: int = 5, device:
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks._device import add_device_arguments, default_world, run_on_ranks
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
-    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, one per device up to 2)")
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
-    from benchmarks._device import default_world, run_on_ranks
-
     world = args.world or default_world(args.device)
     res = run_on_ranks("benchmarks.fused_adam_step:rank_main", args.device, world, {"repeats": args.repeats},
                        timeout=600, env={"TORCH_DEVICE_BACKEND_AUTOLOAD":

@@ -144,6 +144,8 @@ def _rank(rank, world, steps, warmup, params, rows, cols, backend, device="cpu")
 
 
 def main():
+    from benchmarks._device import add_device_arguments, default_world, run_on_ranks
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--steps", type=int, default=20)
@@ -153,10 +155,8 @@ def main():
     parser.add_argument("--cols", type=int, default=512)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--no-compile", action="store_true", help="eager steps only")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
-    parser.add_argument("--world", type=int, default=None, help="ranks (default: 2 on cpu, one per device up to 2)")
+    add_device_arguments(parser)
     args = parser.parse_args()
-    from benchmarks._device import default_world, run_on_ranks
     world = args.world or default_world(args.device)
     results = run_on_ranks("benchmarks.main_params_step:_rank", args.device, world, timeout=1200,
                            args={"steps": args.steps, "warmup": args.warmup, "params": args.params, "rows": args.rows,
