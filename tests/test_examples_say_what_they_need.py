@@ -1,7 +1,8 @@
 """An example whose requirement is missing exits 2 at once with one line saying what it needs (README
 'Quickstart per stack'), never a rank traceback: numpy (torch's CPU wheel does not bring it; DCP needs
-it) for the examples that checkpoint, veomni for veomni_main_params.py, torch_npu for ``--device npu``
-(the README's own command line), a GPU for ``--device cuda``. The check comes before the process
+it) for the examples that checkpoint, veomni for veomni_main_params.py, torchtitan for
+torchtitan_main_params.py, torch_npu for ``--device npu`` (the README's own command line), a GPU for
+``--device cuda``. The check comes before the process
 group, so a plain ``python`` run shows it."""
 import os
 import subprocess
@@ -42,6 +43,11 @@ def run_hiding(tmp_path, script: str, *hidden: str, device: str = "cpu") -> subp
      "veomni_main_params.py needs veomni (0.1.4 or later: its build_optimizer and checkpointer): install it "
      "as CI does, veomni==0.1.12 with its pins (.ci/steps/40-veomni.sh). Importing it failed: "
      "ModuleNotFoundError: No module named 'veomni'"),
+    ("torchtitan_main_params.py", ("numpy",), "torchtitan_main_params.py needs numpy ("),
+    ("torchtitan_main_params.py", ("torchtitan",),
+     "torchtitan_main_params.py needs torchtitan.components.checkpointer (torchtitan 0.3.0's OptimizersContainer "
+     "and CheckpointManager): install it as docs/integrations/torchtitan.md says, `pip install torchtitan==0.3.0`. "
+     "Importing it failed: ModuleNotFoundError: No module named 'torchtitan'"),
 ])
 def test_a_missing_requirement_is_one_line_and_exit_2(tmp_path, script, hidden, line):
     proc = run_hiding(tmp_path, script, *hidden)
