@@ -10,8 +10,9 @@ cannot be named in its config: :class:`MainParamsOptimizersContainer` (below) bu
 optimizers and wraps each in ``MainParamsOptimizer``. It has its own ``Config``, so a trainer config
 can name it (``optimizer=MainParamsOptimizersContainer.Config(...)``) and torchtitan's trainer builds it.
 
-1. **fp32 masters, saved and resumed.** A bf16 model (``fully_shard``: bf16 params, fp32 gradient
-   reduction) with torchtitan's AdamW wrapped trains 4 steps; a second run trains 2, saves with
+1. **fp32 masters, saved and resumed.** A bf16 model, built as torchtitan's trainer builds one with
+   ``training.dtype="bfloat16"`` (params stored in bf16, no fp32 copy) and sharded with ``fully_shard``
+   (fp32 gradient reduction), with torchtitan's AdamW wrapped trains 4 steps; a second run trains 2, saves with
    torchtitan's own ``CheckpointManager`` (its flat optimizer state carries ``state.<fqn>.main_param``),
    resumes into a fresh model, container and LR scheduler and trains 2 more. Check: bit for bit the
    uninterrupted run (losses, bf16 params, fp32 main params).
@@ -43,21 +44,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from device_setup import add_device_argument, finish, init_distributed, require, require_numpy
-from npu_fsdp_patches.optim import MainParamsOptimizer, RebuildMainParamsPlanner, apply_model_init_dtype
+from npu_fsdp_patches.optim import MainParamsOptimizer, RebuildMainParamsPlanner
 
 EXAMPLE = "torchtitan_main_params.py"
 require_numpy(EXAMPLE)
-require(EXAMPLE, "torchtitan.components.checkpointer", "torchtitan 0.3.0's OptimizersContainer and CheckpointManager",
-        "install it as docs/integrations/torchtitan.md says, `pip install torchtitan==0.3.0`")
+for _module in ("torchtitan.components.optimizer", "torchtitan.components.checkpointer"):
+    require(EXAMPLE, _module, "torchtitan 0.3.0's OptimizersContainer and CheckpointManager, on torch >= 2.10",
+            "install it as docs/integrations/torchtitan.md says, `pip install torchtitan==0.3.0`")
 
 from torchtitan.components.checkpointer import CheckpointManager  # noqa: E402  (after the check above)
 from torchtitan.components.checkpointer.base import MODEL  # noqa: E402
 from torchtitan.components.optimizer import (LRSchedulersContainer, OptimizersContainer,  # noqa: E402
                                              default_adamw)
+from torchtitan.tools.utils import set_default_dtype  # noqa: E402
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 4, 6
 SAVE_AFTER, STEPS = 2, 4
-# what a torchtitan config sets: bf16 params (here also stored in bf16), fp32 gradient reduction
+# what torchtitan's apply_fsdp sets (training.mixed_precision_param/_reduce): bf16 compute, fp32 reduction
 MIXED_PRECISION = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 ADAMW = default_adamw(lr=1e-3).param_groups          # torchtitan's AdamW group (betas, eps, weight decay)
 
@@ -126,13 +129,15 @@ class TinyDecoder(nn.Module):
 
 
 def build(container: type, mesh, device) -> tuple:
-    """Model, optimizers and LR schedulers as torchtitan's trainer builds them (from their configs)."""
+    """Model, optimizers and LR schedulers as torchtitan's trainer builds them with
+    ``training.dtype="bfloat16"`` (trainer.py: the model built under that default dtype, sharded, then
+    the optimizers and schedulers from their configs)."""
     torch.manual_seed(1234)
-    model = TinyDecoder().to(device)
+    with set_default_dtype(torch.bfloat16):       # bf16 params, no fp32 copy: what the wrapper adds
+        model = TinyDecoder().to(device)
     for layer in model.layers.values():           # each block, then the root, as torchtitan's apply_fsdp
         fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy(**MIXED_PRECISION))
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**MIXED_PRECISION))
-    apply_model_init_dtype(model, MIXED_PRECISION["param_dtype"])
     optimizers = container.Config(param_groups=ADAMW).build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers,
                                                                        training_steps=STEPS)

@@ -45,8 +45,9 @@ def run_hiding(tmp_path, script: str, *hidden: str, device: str = "cpu") -> subp
      "ModuleNotFoundError: No module named 'veomni'"),
     ("torchtitan_main_params.py", ("numpy",), "torchtitan_main_params.py needs numpy ("),
     ("torchtitan_main_params.py", ("torchtitan",),
-     "torchtitan_main_params.py needs torchtitan.components.checkpointer (torchtitan 0.3.0's OptimizersContainer "
-     "and CheckpointManager): install it as docs/integrations/torchtitan.md says, `pip install torchtitan==0.3.0`. "
+     "torchtitan_main_params.py needs torchtitan.components.optimizer (torchtitan 0.3.0's OptimizersContainer "
+     "and CheckpointManager, on torch >= 2.10): install it as docs/integrations/torchtitan.md says, "
+     "`pip install torchtitan==0.3.0`. "
      "Importing it failed: ModuleNotFoundError: No module named 'torchtitan'"),
 ])
 def test_a_missing_requirement_is_one_line_and_exit_2(tmp_path, script, hidden, line):

@@ -47,14 +47,6 @@ def test_example_resumes_exactly_and_moves_a_plain_run_to_fp32_masters(tmp_path)
     assert left_behind(tmp_path) == [], "the example left its temporary folder behind"
 
 
-def test_example_keeps_the_folder_it_is_given(tmp_path):
-    require_torchtitan()
-    proc = run_example("torchtitan_main_params.py", "--ckpt", str(tmp_path))
-    assert proc.returncode == 0, failure_report(proc)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fp32_masters", "plain_adamw"]
-    assert (tmp_path / "fp32_masters" / "step-2" / ".metadata").is_file()
-
-
 @pytest.mark.parametrize("bug, line, failure", [
     ("loses_main_params", "CheckpointManager resume matches uninterrupted: False",
      "FAILED: the resumed run differs from the uninterrupted one"),
@@ -62,12 +54,18 @@ def test_example_keeps_the_folder_it_is_given(tmp_path):
      "FAILED: the plain checkpoint's resume differs from the in-memory switch"),
 ])
 def test_example_fails_on_a_planted_bug(tmp_path, bug, line, failure):
+    """A failed check exits 1; the folder the example made is removed, one the user named (``--ckpt``) kept."""
     require_torchtitan()
-    proc = run_example(BUG, env={"TESTS_PLANTED_BUG": bug, "TMPDIR": str(tmp_path)})
+    given = ["--ckpt", str(tmp_path / "ckpt")] if bug == "loses_main_params" else []
+    (tmp_path / "tmp").mkdir()
+    proc = run_example(BUG, *given, env={"TESTS_PLANTED_BUG": bug, "TMPDIR": str(tmp_path / "tmp")})
     assert proc.returncode == 1, failure_report(proc)
     assert line in proc.stdout, proc.stdout
     assert failure in proc.stderr, proc.stderr[-3000:]
-    assert left_behind(tmp_path) == [], "a failed check left the temporary folder behind"
+    assert left_behind(tmp_path / "tmp") == [], "a failed check left the temporary folder behind"
+    if given:
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["fp32_masters", "plain_adamw"]
+        assert (tmp_path / "ckpt" / "fp32_masters" / "step-2" / ".metadata").is_file()
 
 
 @pytest.fixture(scope="module")
