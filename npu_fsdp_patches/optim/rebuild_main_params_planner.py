@@ -12,7 +12,10 @@ place to drop those keys from the state dict; a planner is the seam it can take.
   wrapper's ``load_state_dict`` then rebuilds them from the loaded model params (with its own
   warning: the fp32 tails lost at the last cast cannot be recovered);
 * checkpoint with the main params of some params only: refuses, naming the others, while planning,
-  before anything is read or written (DCP reports it as a ``CheckpointException``);
+  before anything is read or written (DCP reports it as a ``CheckpointException``); so does a
+  checkpoint whose main params sit in hyper-parallel's section (``_mixed_precision_optimizer.
+  fp32_from_fp16_params.<fqn>``: upstream's layout, or this package's earlier one), which
+  ``load_checkpoint`` reads;
 * every other key missing from the checkpoint: refused as by torch's default planner.
 
 It reads no framework: the keys are the ones torch's ``get_optimizer_state_dict`` (nested) and
@@ -27,7 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._leaf_views import MAIN_PARAM
-from ._main_params_state import raise_partial_main_params
+from ._main_params_state import MAIN_PARAMS_KEY, MP_KEY, raise_partial_main_params
 
 __all__ = ["RebuildMainParamsPlanner"]
 
@@ -80,6 +83,13 @@ class RebuildMainParamsPlanner(DefaultLoadPlanner):
             return
         if any(_flat_main_param_fqn(key) is not None for key in saved):
             raise_partial_main_params(missing.values())   # some saved, these not: refuse them all
+        section = f"{MP_KEY}.{MAIN_PARAMS_KEY}."
+        if any(section in key for key in saved):   # saved, but where this load does not look
+            raise ValueError(
+                f"{type(self).__name__}: the checkpoint holds fp32 main params in hyper-parallel's section "
+                f"({MP_KEY}.{MAIN_PARAMS_KEY}.<fqn>: upstream's layout or this package's earlier one), not "
+                f"as state.<fqn>.{MAIN_PARAM}; refusing to rebuild them from the model (nothing was "
+                f"written). Load it with npu_fsdp_patches.optim.load_checkpoint, which reads that layout.")
         self._leave_out(list(missing))
         self.rebuilt = sorted(missing.values())
         warnings.warn(

@@ -20,7 +20,10 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from npu_fsdp_patches.optim import MainParamsOptimizer, RebuildMainParamsPlanner, apply_model_init_dtype
+from npu_fsdp_patches.optim import (MainParamsOptimizer, RebuildMainParamsPlanner, apply_model_init_dtype,
+                                    drop_main_params)
+from npu_fsdp_patches.optim._leaf_views import MAIN_PARAM
+from npu_fsdp_patches.optim._main_params_state import MAIN_PARAMS_KEY, MP_KEY
 from npu_fsdp_patches.selftest.checks.main_params import TinyLM
 from tests.multirank.dtensors import distribute_same
 from tests.multirank.main_params_cases import full
@@ -28,7 +31,7 @@ from tests.support import Checks, bit_mismatches
 
 CHECKS = ("default_planner_refuses_plain", "plain_loads_with_warnings", "loaded_state_is_the_plain_runs",
           "resume_equals_in_memory_switch", "comparison_sees_one_ulp", "wrapped_checkpoint_loads_exactly",
-          "partial_refused_before_writing", "other_missing_keys_still_refused")
+          "partial_refused_before_writing", "section_refused_before_writing", "other_missing_keys_still_refused")
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 SAVE_AFTER, STEPS = 2, 4
 
@@ -72,9 +75,13 @@ def differing(a: dict, b: dict, keys=None) -> dict:
     return {k: n for k in keys if (n := bit_mismatches(a[k], b[k])[0])}
 
 
-def save(model, opt, path: str, drop: tuple[str, str] | None = None) -> None:
-    """torch's API layout in one DCP save; ``drop`` = (fqn, state key) left out of the checkpoint."""
+def save(model, opt, path: str, drop: tuple[str, str] | None = None, section: bool = False) -> None:
+    """torch's API layout in one DCP save; ``drop`` = (fqn, state key) left out of the checkpoint;
+    ``section``: the main params in hyper-parallel's section instead (upstream's and the earlier layout)."""
     osd = get_optimizer_state_dict(model, opt)
+    if section:
+        mains = {fqn: state[MAIN_PARAM] for fqn, state in osd["state"].items() if MAIN_PARAM in state}
+        osd = {**drop_main_params(osd), MP_KEY: {MAIN_PARAMS_KEY: mains}}
     if drop is not None:
         fqn, key = drop
         osd["state"] = {**osd["state"], fqn: {k: v for k, v in osd["state"][fqn].items() if k != key}}
@@ -170,6 +177,7 @@ def case(rank: int, world: int, root: str) -> dict:
     train(model, opt, range(SAVE_AFTER))
     save(model, opt, wrapped_path)
     save(model, opt, f"{root}/partial", drop=("proj1.weight", "main_param"))
+    save(model, opt, f"{root}/section", section=True)
     before = snapshot(model, opt)
     out["fp32_tail_elements"] = sum(int((before[f"state.{n}.main_param"] != before[f"param.{n}"].float()).sum())
                                     for n in low)
@@ -192,6 +200,15 @@ def case(rank: int, world: int, root: str) -> dict:
         text = refused(lambda: load(fresh, fresh_opt, f"{root}/partial", RebuildMainParamsPlanner()))
         assert "optimizer state is incomplete" in text and "proj1.weight" in text, text
         assert "nothing was written" in text, text
+        assert differing(untouched, snapshot(fresh, fresh_opt)) == {}
+
+    @checks("section_refused_before_writing")
+    def section_refused_before_writing():
+        fresh, fresh_opt = build(world, wrap=True)
+        template(fresh, fresh_opt)
+        untouched = snapshot(fresh, fresh_opt)
+        text = refused(lambda: load(fresh, fresh_opt, f"{root}/section", RebuildMainParamsPlanner()))
+        assert "holds fp32 main params in hyper-parallel's section" in text and "load_checkpoint" in text, text
         assert differing(untouched, snapshot(fresh, fresh_opt)) == {}
 
     @checks("other_missing_keys_still_refused")
