@@ -6,8 +6,9 @@ uneven and empty shards (tests/multirank/rebuild_main_params_planner_cases.py): 
 refuses the plain checkpoint (``Missing key ... main_param``); the planner loads it with a warning, the
 main params rebuilt from the loaded model and the moments and step the plain run's, and the next steps
 equal the plain run switched to fp32 masters in memory, bit for bit. A wrapped run's checkpoint loads
-exactly through it; a checkpoint holding some main params only is refused naming the others before
-anything is written; any other missing key is still refused. The same planner through torchtitan's
+exactly through it; a checkpoint holding some main params only is refused naming the others, and one
+holding them in hyper-parallel's section is refused, both before anything is written; any other missing
+key is still refused. The same planner through torchtitan's
 ``CheckpointManager``: tests/clients/test_torchtitan.py. The key rules alone, without ranks, below.
 """
 import pytest
