@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node=2 examples/torchtitan_main_params.py [--device cpu|cuda|npu] [--ckpt DIR]
 
-Needs torchtitan (0.3.0, installed as docs/integrations/torchtitan.md says) and numpy in the
-environment where npu_fsdp_patches is installed; without either it exits 2 at once and says which. No
+Needs torchtitan (0.3.0, installed as docs/integrations/torchtitan.md says; it imports with torch >= 2.10)
+and numpy in the environment where npu_fsdp_patches is installed; without either it exits 2 at once and
+says which. No
 patch is needed for torchtitan. torchtitan 0.3.0 builds only Adam, AdamW and DistMuon by name
 (``OptimizersContainer._resolve_optimizer_factory``) and hands its factory no model, so the wrapper
 cannot be named in its config: :class:`MainParamsOptimizersContainer` (below) builds torchtitan's
@@ -12,8 +13,8 @@ can name it (``optimizer=MainParamsOptimizersContainer.Config(...)``) and torcht
 
 1. **fp32 masters, saved and resumed.** A bf16 model, built as torchtitan's trainer builds one with
    ``training.dtype="bfloat16"`` (params stored in bf16, no fp32 copy) and sharded with ``fully_shard``
-   (fp32 gradient reduction), with torchtitan's AdamW wrapped trains 4 steps; a second run trains 2, saves with
-   torchtitan's own ``CheckpointManager`` (its flat optimizer state carries ``state.<fqn>.main_param``),
+   (fp32 gradient reduction), with torchtitan's AdamW wrapped, trains 4 steps; a second run trains 2,
+   saves with torchtitan's own ``CheckpointManager`` (its flat optimizer state carries ``state.<fqn>.main_param``),
    resumes into a fresh model, container and LR scheduler and trains 2 more. Check: bit for bit the
    uninterrupted run (losses, bf16 params, fp32 main params).
 2. **A plain AdamW run moves to fp32 masters.** A run with torchtitan's plain ``OptimizersContainer``

@@ -49,7 +49,7 @@ def main_param_fqn(path: tuple) -> str | None:
 
 def _flat_main_param_fqn(key: str) -> str | None:
     """The FQN of a main param entry given as a checkpoint's flat key (``<...>.state.<fqn>.main_param``)."""
-    before, sep, rest = f".{key}".partition(".state.")
+    _, sep, rest = f".{key}".partition(".state.")
     if not sep or not rest.endswith(f".{MAIN_PARAM}"):
         return None
     return rest[:-len(MAIN_PARAM) - 1]

@@ -32,7 +32,8 @@ def test_example_resumes_exactly_and_moves_a_plain_run_to_fp32_masters(tmp_path)
     proc = run_example("torchtitan_main_params.py", env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, failure_report(proc)
     out = proc.stdout
-    assert "torchtitan OptimizersContainer(AdamW) -> MainParamsOptimizer per optimizer, bf16 model on cpu, 2 ranks" in out
+    assert ("torchtitan OptimizersContainer(AdamW) -> MainParamsOptimizer per optimizer, bf16 model on cpu, "
+            "2 ranks") in out, out
     assert ("npu_fsdp_patches.status(): applied: none; no patch is needed for torchtitan (its containers hold "
             "the wrapped optimizers)") in out, out
     assert "flat optimizer state carries state.<fqn>.main_param for every param: True" in out, out

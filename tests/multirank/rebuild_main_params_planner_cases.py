@@ -5,8 +5,9 @@ A bf16 ``fully_shard`` model (the self-test's: uneven shards, a 1-element gain w
 rank 1) trains with plain AdamW and is saved as torch's API writes it. The fp32-masters resume loads
 that checkpoint into a fresh ``MainParamsOptimizer`` through the planner and must continue exactly as
 the plain run's live state handed to a wrapper in memory at the same step (torch's state-dict API, no
-DCP: main params rebuilt from the bf16 model, moments and step count carried over). Grads are drawn per step, not computed (no FSDP2
-forward/backward, which CPU torch 2.6 cannot run), so every verified torch runs the launch.
+DCP: main params rebuilt from the bf16 model, moments and step count carried over). Grads are drawn per
+step, not computed (no FSDP2 forward/backward, which CPU torch 2.6 cannot run), so every verified torch
+runs the launch.
 """
 from __future__ import annotations
 
