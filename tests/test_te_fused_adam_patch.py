@@ -76,7 +76,8 @@ args = lambda f: [(a.name, a.kind, a.default) for a in inspect.signature(f).para
 assert args(FusedAdam.__init__) == args(nvte.FusedAdam.__init__)  # TENPU RFC #43 3.5.2.1: NVTE's constructor
 for name in ("set_scaled_state", "state_dict", "load_state_dict", "zero_grad"):
     assert name not in vars(FusedAdam), name  # NVTE's own code
-# the overlay, TENPU RFC #43 (docs/te_fused_adam.md#3-tenpu-rfc-43): 3.3.10 (signatures), 3.3.1 (unsupported options), 3.3.5 (fp16 scale), 3.3.6 (kernel)
+# the overlay, TENPU RFC #43 (docs/te_fused_adam.md#3-tenpu-rfc-43): 3.3.10 (signatures),
+# 3.3.1 (unsupported options), 3.3.5 (fp16 scale), 3.3.6 (kernel)
 assert str(inspect.signature(FusedAdam.initialize_state)) == "(self, param, store_param_remainders=None) -> None"
 assert str(inspect.signature(nvte.FusedAdam.initialize_state)) == "(self, param, store_param_remainders)"
 assert "skip_unscale" in str(inspect.signature(nvte.FusedAdam.get_unscaled_state))
