@@ -123,7 +123,8 @@ def main() -> None:
     args = parser.parse_args()
     require_numpy("veomni_main_params.py")
     require("veomni_main_params.py", "veomni", "0.1.4 or later: its build_optimizer and checkpointer",
-            "install it as CI does, veomni==0.1.12 with its pins (.ci/steps/40-veomni.sh)")
+            "install it with the Install block of docs/integrations/veomni.md (veomni==0.1.12, "
+            "transformers==5.18.0 without its deps, no torchvision)")
     device = init_distributed(args.device)
     from veomni.distributed.parallel_state import init_parallel_state
     world = dist.get_world_size()
