@@ -29,8 +29,6 @@ that the example removes at the end.
 """
 import argparse
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -44,7 +42,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed, require, require_numpy
+from device_setup import (add_device_argument, checkpoint_dir, finish, init_distributed, require,
+                          require_numpy)
 from npu_fsdp_patches.optim import MainParamsOptimizer, RebuildMainParamsPlanner
 
 EXAMPLE = "torchtitan_main_params.py"
@@ -248,13 +247,6 @@ def patch_line() -> str:
             "for torchtitan (its containers hold the wrapped optimizers)")
 
 
-def shared_temp_folder() -> str:
-    """A fresh temporary folder made by rank 0, its path sent to every rank."""
-    path = [tempfile.mkdtemp(prefix="torchtitan_main_params_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_device_argument(parser)
@@ -262,18 +254,9 @@ def main() -> None:
     args = parser.parse_args()
     device = init_distributed(args.device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    root = args.ckpt or shared_temp_folder()
-    remove = args.ckpt is None and dist.get_rank() == 0      # rank 0 removes the folder it made
-    try:
-        masters = resume_with_fp32_masters(os.path.join(root, "fp32_masters"), mesh, device)
-        plain = plain_to_fp32_masters(os.path.join(root, "plain_adamw"), mesh, device)
-    except BaseException:
-        if remove:        # no barrier here: a rank that failed must not wait for the others
-            shutil.rmtree(root, ignore_errors=True)
-        raise
-    dist.barrier()        # every rank is done with the checkpoints
-    if remove:
-        shutil.rmtree(root, ignore_errors=True)
+    root = checkpoint_dir(args.ckpt, "torchtitan_main_params")   # a temporary one is removed at the end
+    masters = resume_with_fp32_masters(os.path.join(root, "fp32_masters"), mesh, device)
+    plain = plain_to_fp32_masters(os.path.join(root, "plain_adamw"), mesh, device)
     if dist.get_rank() == 0:
         print(f"torchtitan OptimizersContainer(AdamW) -> MainParamsOptimizer per optimizer, bf16 model on "
               f"{device.type}, {dist.get_world_size()} ranks")

@@ -1,8 +1,8 @@
 """An example whose requirement is missing exits 2 at once with one line saying what it needs (README
 'Quickstart per stack'), never a rank traceback: numpy (torch's CPU wheel does not bring it; DCP needs
-it) for the examples that checkpoint, veomni for veomni_main_params.py, torchtitan for
-torchtitan_main_params.py, torch_npu for ``--device npu`` (the README's own command line), a GPU for
-``--device cuda``. The check comes before the process
+it) for the examples that checkpoint, veomni for veomni_main_params.py, hyper-parallel for
+hyper_parallel_main_params.py, torchtitan for torchtitan_main_params.py, torch_npu for ``--device npu``
+(the README's own command line), a GPU for ``--device cuda``. The check comes before the process
 group, so a plain ``python`` run shows it."""
 import os
 import subprocess
@@ -41,8 +41,12 @@ def run_hiding(tmp_path, script: str, *hidden: str, device: str = "cpu") -> subp
     ("veomni_main_params.py", ("numpy",), "veomni_main_params.py needs numpy ("),
     ("veomni_main_params.py", ("veomni",),
      "veomni_main_params.py needs veomni (0.1.4 or later: its build_optimizer and checkpointer): install it "
-     "as CI does, veomni==0.1.12 with its pins (.ci/steps/40-veomni.sh). Importing it failed: "
-     "ModuleNotFoundError: No module named 'veomni'"),
+     "with the Install block of docs/integrations/veomni.md (veomni==0.1.12, transformers==5.18.0 without its "
+     "deps, no torchvision). Importing it failed: ModuleNotFoundError: No module named 'veomni'"),
+    ("hyper_parallel_main_params.py", ("hyper_parallel",),
+     "hyper_parallel_main_params.py needs hyper_parallel.core.fully_shard.api (its fully_shard): put a "
+     "hyper-parallel source checkout on PYTHONPATH with HYPER_PARALLEL_PLATFORM=torch "
+     "(docs/integrations/hyper_parallel.md). Importing it failed: ModuleNotFoundError: "),
     ("torchtitan_main_params.py", ("numpy",), "torchtitan_main_params.py needs numpy ("),
     ("torchtitan_main_params.py", ("torchtitan",),
      "torchtitan_main_params.py needs torchtitan.components.optimizer (torchtitan 0.3.0's OptimizersContainer "

@@ -21,7 +21,8 @@ def results(tmp_path_factory):
 
 
 def test_rfc_section_on_state_dict_covers_the_bf16_params_once(results):
-    """§2.2 section = every bf16 param, fp32, the main params themselves; §2.3 empty for fp32;
+    """RFC 001 2.2 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001): the section = every bf16 param, fp32,
+    the main params themselves; 2.3: empty for fp32;
     torch's API and torch.save store each main param once; a partial section is refused."""
     for rank in results:
         rfc = rank["rfc"]

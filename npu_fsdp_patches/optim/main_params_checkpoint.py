@@ -47,6 +47,24 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 _LEGACY_PREFIX = f"optimizer.{MP_KEY}.{MAIN_PARAMS_KEY}."
 
 
+#: hyper-parallel's own checkpoint module: core/checkpoint in the public source (fdd0a808), renamed
+#: core/distributed_checkpoint by later builds (docs/hyper_parallel.md#17-dcp-checkpointer)
+_HYPER_CHECKPOINTERS = ("hyper_parallel.core.distributed_checkpoint", "hyper_parallel.core.checkpoint")
+
+
+def _hyper_checkpointer() -> str:
+    """The checkpoint module the installed hyper-parallel has, found without importing it."""
+    import importlib.util
+    for name in _HYPER_CHECKPOINTERS:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return (f"{_HYPER_CHECKPOINTERS[1]} in the public source, {_HYPER_CHECKPOINTERS[0]} in later builds; "
+            "this hyper_parallel has neither")
+
+
 def _refuse_foreign_dtensors(model: nn.Module) -> None:
     for fqn, p in model.named_parameters():
         if is_foreign_dtensor(p):
@@ -55,7 +73,7 @@ def _refuse_foreign_dtensors(model: nn.Module) -> None:
                 f"parameter {fqn!r} is a {cls.__module__}.{cls.__name__}, which "
                 f"torch.distributed.checkpoint does not understand (it sees only the local shard). "
                 f"Save the model and MainParamsOptimizer.state_dict() with "
-                f"hyper-parallel's own checkpointer (hyper_parallel.core.distributed_checkpoint).")
+                f"hyper-parallel's own checkpointer ({_hyper_checkpointer()}).")
 
 
 def save_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any) -> None:

@@ -1,5 +1,5 @@
 """torchtitan 0.3.0 as a real client of MainParamsOptimizer and RebuildMainParamsPlanner (issue 41), 2 gloo
-ranks, in CI step 45-torchtitan's venv; skips elsewhere (tests/clients/torchtitan_env.py).
+ranks, in CI step 46-torchtitan's venv; skips elsewhere (tests/clients/torchtitan_env.py).
 
 examples/torchtitan_main_params.py runs as written: torchtitan's own ``OptimizersContainer`` (built from
 its config) with each optimizer wrapped, saved and resumed by torchtitan's own ``CheckpointManager`` bit
@@ -15,7 +15,7 @@ import pytest
 
 from tests.clients.torchtitan_env import require_torchtitan
 from tests.distributed import run_ranks
-from tests.example_runner import EXAMPLES, VIEW_WARNING, failure_report, run_example
+from tests.example_runner import EXAMPLES, TORCH_OWN, VIEW_WARNING, failure_report, run_example
 from tests.multirank import torchtitan_cases
 from tests.support import REPO_ROOT, assert_check
 
@@ -23,8 +23,8 @@ BUG = REPO_ROOT / "tests" / "children" / "example_torchtitan_resume_bug.py"
 
 
 def left_behind(tmp) -> list:
-    """What a run left in its temp directory, besides torchrun's own log folders."""
-    return sorted(n for n in os.listdir(tmp) if not n.startswith(("torchelastic_", "torchinductor_")))
+    """What a run left in its temp directory, besides torch's own folders."""
+    return sorted(n for n in os.listdir(tmp) if not n.startswith(TORCH_OWN))
 
 
 def test_example_resumes_exactly_and_moves_a_plain_run_to_fp32_masters(tmp_path):

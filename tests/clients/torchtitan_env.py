@@ -1,6 +1,6 @@
 """Skip a test when torchtitan 0.3.0 is not importable, unless CI requires it (NPU_FSDP_PATCHES_REQUIRE_TORCHTITAN=1).
 
-The pinned environment is built by .ci/steps/45-torchtitan.sh (torchtitan 0.3.0 with torch 2.13.0), as
+The pinned environment is built by .ci/steps/46-torchtitan.sh (torchtitan 0.3.0 with torch 2.13.0), as
 docs/integrations/torchtitan.md installs it.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def require_torchtitan() -> None:
             reason = f"torchtitan {found} is installed but cannot be imported ({type(exc).__name__}: {exc})"
     if reason is None:
         return
-    reason += "; run .ci/steps/45-torchtitan.sh to build its pinned venv"
+    reason += "; run .ci/steps/46-torchtitan.sh to build its pinned venv"
     if os.environ.get("NPU_FSDP_PATCHES_REQUIRE_TORCHTITAN") == "1":
         pytest.fail(reason + " (NPU_FSDP_PATCHES_REQUIRE_TORCHTITAN=1)")
     pytest.skip(reason)

@@ -10,7 +10,7 @@
 # Measured on its own (2 cores shared with other sessions, load average 13-22): install 616 s, the page's
 # Check block 33 s, the tests 100 s (docs/ci.md). The install runs in the background while the README test
 # command runs (`prepare`, .ci/prepare.sh), so under .ci/run the step costs about 130 s.
-# prepare: the venv (.ci/prepare.sh runs `bash .ci/steps/45-torchtitan.sh prepare` in the background)
+# prepare: the venv (.ci/prepare.sh runs `bash .ci/steps/46-torchtitan.sh prepare` in the background)
 set -uo pipefail
 . .ci/prepare.env || exit 1
 venv=.ci/venvs/torchtitan
@@ -21,21 +21,21 @@ install_venv() {
     rm -rf "$venv"
     bash .ci/page-check.sh "$page" "$venv" install \
       && "$venv/bin/pip" install -q -e '.[test]' \
-      || { echo "45-torchtitan: install failed" >&2; return 1; }
-    echo "45-torchtitan: install took $((SECONDS - t0)) s"
+      || { echo "46-torchtitan: install failed" >&2; return 1; }
+    echo "46-torchtitan: install took $((SECONDS - t0)) s"
 }
 
 [ "${1:-}" = prepare ] && { install_venv; exit; }
-prepared 45-torchtitan
+prepared 46-torchtitan
 case $? in
-    0) echo "45-torchtitan: installed in the background ($(grep -h 'install took' "$CI_PREPARED/45-torchtitan.log"))" ;;
+    0) echo "46-torchtitan: installed in the background ($(grep -h 'install took' "$CI_PREPARED/46-torchtitan.log"))" ;;
     *) install_venv || exit 1 ;;
 esac
 t1=$SECONDS
 bash .ci/page-check.sh "$page" "$venv" check || exit 1
-echo "45-torchtitan: the page's Check block took $((SECONDS - t1)) s"
+echo "46-torchtitan: the page's Check block took $((SECONDS - t1)) s"
 t1=$SECONDS
 NPU_FSDP_PATCHES_REQUIRE_TORCHTITAN=1 "$venv/bin/python" -m pytest tests/clients/test_torchtitan.py -q
 rc=$?
-echo "45-torchtitan: tests took $((SECONDS - t1)) s"
+echo "46-torchtitan: tests took $((SECONDS - t1)) s"
 exit $rc
