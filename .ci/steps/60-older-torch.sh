@@ -59,6 +59,7 @@ FULL=(
     tests/test_main_params_example.py tests/test_example_fsdp2_fused_adam.py
     tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
     tests/test_megatron_initialize_state.py tests/test_generated_cases.py
+    tests/test_rebuild_main_params_planner.py
 )
 
 # EDGE_TORCH (the oldest and the newest) add the compiled steps (issue 33; with the README's 2.13.0, three
