@@ -174,13 +174,18 @@ def _into_fp32_model():
             "state_dict": copy.deepcopy(other.state_dict())}
 
 
-def _reordered():
-    """A wrapper over a model declaring its params in another order than the saved run's."""
-    model, chain, wrapper = _trained(seed=0)
-    sd = copy.deepcopy(_trained(seed=1, steps=2)[2].state_dict())
-    group = sd["param_groups"][0]
-    group["params"] = group["params"][::-1]
-    return {"model": model, "optimizer": chain, "wrapper": wrapper, "state_dict": sd}
+def _reordered(named):
+    """A wrapper over a model declaring its params in another order than the saved run's; with
+    ``named`` the state dict keeps its RFC section, whose names load it by name (else: refused)."""
+    def setup():
+        model, chain, wrapper = _trained(seed=0)
+        sd = copy.deepcopy(_trained(seed=1, steps=2)[2].state_dict())
+        group = sd["param_groups"][0]
+        group["params"] = group["params"][::-1]
+        if not named:
+            del sd["_mixed_precision_optimizer"]
+        return {"model": model, "optimizer": chain, "wrapper": wrapper, "state_dict": sd}
+    return setup
 
 
 def _wrap(h):
@@ -212,7 +217,8 @@ def entries(tmp):
         Entry("load_state_dict: 2nd main_param wrong shape", lambda: _loaded(_second_main_param_wrong_shape),
               _load, ValueError),
         Entry("load_state_dict: bf16 run into an fp32 model", _into_fp32_model, _load),
-        Entry("load_state_dict: another param order", _reordered, _load, ValueError),
+        Entry("load_state_dict: another param order", _reordered(False), _load, ValueError),
+        Entry("load_state_dict: another param order, named by the section", _reordered(True), _load),
         Entry("set_optimizer_state_dict (torch API)", _torch_api, _set_optimizer_state_dict),
         Entry("load_checkpoint", _checkpoint(tmp), _load_checkpoint),
         Entry("load_checkpoint: bf16 run into an fp32 model", _checkpoint(tmp, torch.float32), _load_checkpoint),
