@@ -127,13 +127,13 @@ def _set_optimizer_state_dict(h):
     set_optimizer_state_dict(h["model"], h["wrapper"], h["state_dict"])
 
 
-def _checkpoint(tmp, dtype=torch.bfloat16):
+def _checkpoint(tmp, dtype=torch.bfloat16, layout="torch"):
     def setup():
         model, chain, wrapper = _trained(seed=0, dtype=dtype)
-        path = str(tmp / "ckpt")
-        if not (tmp / "ckpt").exists():
+        path = str(tmp / f"ckpt_{layout}")
+        if not (tmp / f"ckpt_{layout}").exists():
             other_model, _, other = _trained(seed=1, steps=2)
-            save_checkpoint(path, other_model, other)
+            save_checkpoint(path, other_model, other, layout=layout)
         return {"model": model, "optimizer": chain, "wrapper": wrapper, "checkpoint": path}
     return setup
 
@@ -222,6 +222,7 @@ def entries(tmp):
         Entry("set_optimizer_state_dict (torch API)", _torch_api, _set_optimizer_state_dict),
         Entry("load_checkpoint", _checkpoint(tmp), _load_checkpoint),
         Entry("load_checkpoint: bf16 run into an fp32 model", _checkpoint(tmp, torch.float32), _load_checkpoint),
+        Entry("load_checkpoint: upstream's layout", _checkpoint(tmp, layout="upstream"), _load_checkpoint),
         Entry("FusedAdam.load_state_dict", _fused_load, lambda h: h["optimizer"].load_state_dict(h["state_dict"])),
         Entry("FusedAdam.step: float64 param", _fused_bad_dtype(torch.float64),
               lambda h: h["optimizer"].step(), RuntimeError),
