@@ -168,3 +168,20 @@ def test_names_cannot_place_two_unnamed_params_so_the_load_is_refused():
     for k, entry in before["state"].items():
         for name, value in entry.items():
             assert torch.equal(value, after["state"][k][name]), (k, name)
+
+
+def test_a_param_without_optimizer_state_is_no_missing_main_param(tmp_path):
+    """torch's layout stores ``main_param`` with a param's optimizer state: a bf16 param that never got a
+    grad (an unused expert) has neither, so our own checkpoint must load (it was refused as partial)."""
+    module, wrapper = _wrapped("aw", DTYPES, {"a": (4, 3), "w": (5,)})
+    module.w.grad = None
+    module.a.grad = torch.randn_like(module.a)
+    fresh = MainParamsOptimizer(torch.optim.AdamW([module.a, module.w], lr=1e-2), module)   # w: no state
+    fresh.step()
+    save_checkpoint(str(tmp_path / "ck"), module, fresh)
+    target_module, target = _wrapped("aw", DTYPES, {"a": (4, 3), "w": (5,)}, seed=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(process group|ProcessGroup).*")
+        assert load_checkpoint(str(tmp_path / "ck"), target_module, target) == "main_params"
+    assert torch.equal(target_module.a.main_param, module.a.main_param)
+    assert torch.equal(target_module.w.main_param, module.w.float())
