@@ -5,8 +5,14 @@ Ours: the config-lineage trainer stand-in tests/fixtures/hyper_parallel_new with
 applied through the plugin. Upstream: tests/fixtures/upstream_fp32_wrapper (its wrapper and its DCP
 checkpointer's three load branches, written apart from our code). bf16 ``fully_shard``, Muon + AdamW
 (AdamW alone on torch < 2.9: no ``torch.optim.Muon``). One 2-rank launch saves and cross-loads; one
-3-rank launch loads the same checkpoints resharded. Rank code: tests/multirank/upstream_resume_cases.py.
+3-rank launch loads the same checkpoints resharded, and two the ``checkpoint`` command converted offline
+in between. The command's predictions for every checkpoint are compared with what each loader did.
+Rank code: tests/multirank/upstream_resume_cases.py.
 """
+import json
+import subprocess
+import sys
+
 import pytest
 
 from tests.distributed import launch_once, run_ranks
@@ -22,9 +28,20 @@ def _launch(tmp):
     ckpt = str(Path(tmp) / "ckpt")
     two = run_ranks("tests.multirank.upstream_resume_cases:two_ranks", 2, args={"tmp": ckpt}, env=env,
                     timeout=420)
+    for src, layout, out in (("ours", "torch", "ours_as_torch"), ("torch", "upstream", "torch_as_upstream")):
+        command(f"{ckpt}/{src}", "--convert-to", layout, f"{ckpt}/{out}")
     three = run_ranks("tests.multirank.upstream_resume_cases:three_ranks", 3, args={"tmp": ckpt}, env=env,
                       timeout=420)
     return ckpt, two, three
+
+
+def command(*argv):
+    """``npu-fsdp-patches checkpoint ... --json``: the command as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "npu_fsdp_patches", "checkpoint", *argv, "--json"],
+                          capture_output=True, text=True, timeout=120)
+    report = json.loads(proc.stdout)
+    assert report["exit_code"] == proc.returncode, (proc.returncode, report)
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +57,32 @@ def test_two_ranks(launched, check):
 @pytest.mark.parametrize("check", cases.THREE_RANK_CHECKS)
 def test_resharded_to_three_ranks(launched, check):
     assert_check(launched[2], check, cases.THREE_RANK_CHECKS)
+
+
+def _observed(outcome):
+    """A loader's outcome as the command words it: exact, rebuilt or refused."""
+    if outcome in (1, "main_params", "exact"):
+        return "exact"
+    if outcome in (2, "plain"):
+        return "rebuilt"
+    return "refused" if str(outcome).startswith("refused") else str(outcome)
+
+
+@pytest.mark.parametrize("name", cases.CHECKPOINTS)
+def test_the_command_predicts_what_each_loader_did(launched, name):
+    """Every checkpoint of the launch, every consumer: the command's prediction is what the loader did
+    (ours: the patched trainer's load_checkpoint; torch: dcp.load + set_state_dict; upstream: its DCP
+    checkpointer's branch), and its exit code says whether our loader restores every main param."""
+    ckpt, two, _ = launched
+    report = command(f"{ckpt}/{name}")
+    outcomes = two[0]["facts"]["outcomes"]
+    observed = {consumer: _observed(outcomes[f"{name}:{consumer}"]) for consumer in ("ours", "upstream", "torch")
+                if f"{name}:{consumer}" in outcomes}
+    predicted = {consumer: report["consumers"][consumer]["outcome"] for consumer in observed}
+    assert predicted == observed, (report["consumers"], outcomes)
+    if name in ("ours", "upstream", "partial", "plain"):
+        assert report["consumers"]["upstream"]["branch"] == {"ours": 1, "upstream": 1, "partial": 3, "plain": 2}[name]
+    assert report["world_size"] == 2
+    assert report["exit_code"] == (0 if name in ("ours", "upstream", "torch") else 1)
+    if name == "partial":
+        assert report["consumers"]["upstream"]["missing"] == sorted(cases.DROPPED)

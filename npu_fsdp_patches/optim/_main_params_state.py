@@ -396,11 +396,11 @@ def _check_positions(keys: list, mains: list, saved_state: dict, model_of: Model
                                  for i in bad[:4]) + ". Nothing was loaded.")
 
 
-def raise_partial_main_params(missing: Iterable[str]) -> None:
+def raise_partial_main_params(missing: Iterable[str], where: str = "'main_param'") -> None:
     """Refuse a state that has the main params of some bf16/fp16 params only, naming the others."""
     missing = sorted(missing)
     raise ValueError(
-        f"optimizer state is incomplete: it holds the fp32 main params ('main_param') of some "
+        f"optimizer state is incomplete: it holds the fp32 main params ({where}) of some "
         f"bf16/fp16 params but not of {len(missing)} other(s): {', '.join(missing)}. Refusing to "
         f"load (nothing was written) rather than silently rebuilding them from the low-precision "
         f"model params.")

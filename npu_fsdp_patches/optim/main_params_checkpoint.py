@@ -99,7 +99,8 @@ def main_params_branch(saved: SavedLayout, low_precision: list[str]) -> str:
         expected = [f for f in low_precision if f in saved.state]
         present = [f for f in expected if MAIN_PARAM in saved.state[f]]
     if present and len(present) < len(expected):
-        raise_partial_main_params(f for f in expected if f not in present)
+        raise_partial_main_params((f for f in expected if f not in present),
+                                  f"its {MP_KEY}.{MAIN_PARAMS_KEY} section" if saved.section else "'main_param'")
     return "main_params" if present or not expected else "plain"
 
 

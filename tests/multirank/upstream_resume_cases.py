@@ -42,9 +42,13 @@ _FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_fp32_wra
 
 TWO_RANK_CHECKS = ("patch_applied", "trained_alike", "keys_as_upstream", "main_params_once",
                    "upstream_resumes_ours", "ours_resumes_upstream", "negative_control",
-                   "partial_refused_by_both", "plain_takes_branch_2", "torch_layout_unchanged")
+                   "partial_refused_by_both", "plain_takes_branch_2", "torch_layout_unchanged",
+                   "every_loader_outcome")
 THREE_RANK_CHECKS = ("upstream_resumes_ours_resharded", "ours_resumes_upstream_resharded",
-                     "partial_refused_resharded")
+                     "partial_refused_resharded", "converted_to_torch_loads_through_torchs_api",
+                     "converted_to_upstream_loads_into_upstream")
+#: the checkpoints two_ranks writes (under tmp), each loaded by every consumer
+CHECKPOINTS = ("ours", "upstream", "partial", "plain", "torch")
 
 
 def _by_path(name):
@@ -293,8 +297,37 @@ def two_ranks(rank, world, tmp):
         assert outcomes["torch:ours"] == "main_params" and not [w for w in caught if "fp32" in str(w.message)]
         assert not differences(saved, snap(target))
 
+    @checks("every_loader_outcome")   # what the checkpoint command's predictions are compared with
+    def _():
+        for name in CHECKPOINTS:
+            path = os.path.join(tmp, name)
+            outcomes[f"{name}:torch"] = torch_api_load(ours(world, seed=7), path, saved)
+            for key, build in (("ours", ours), ("upstream", Upstream)):
+                if f"{name}:{key}" not in outcomes:
+                    try:
+                        outcomes[f"{name}:{key}"] = load(build(world, seed=7), path)[0]
+                    except (ValueError, RuntimeError) as exc:
+                        outcomes[f"{name}:{key}"] = f"refused: {exc}"
+
     dist.barrier()
     return {"checks": checks.results, "facts": facts}
+
+
+def torch_api_load(run, path, saved):
+    """torch's own recipe into our wrapper: ``dcp.load`` of ``get_state_dict``'s template (default
+    planner), ``set_state_dict``: "exact" (every main param and moment as ``saved``), "rebuilt", or
+    "refused: <what torch raised>"."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(run.model, run.optimizer)
+    state = {"model": msd, "optimizer": osd}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:   # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        return f"refused: {type(exc).__name__}"
+    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return "exact" if not differences(saved, snap(run)) else "differs"
 
 
 def three_ranks(rank, world, tmp):
@@ -316,6 +349,19 @@ def three_ranks(rank, world, tmp):
 
     checks.run("upstream_resumes_ours_resharded", lambda: both(os.path.join(tmp, "ours"), "ours"))
     checks.run("ours_resumes_upstream_resharded", lambda: both(os.path.join(tmp, "upstream"), "upstream"))
+
+    @checks("converted_to_torch_loads_through_torchs_api")
+    def _():   # the command converted our upstream-layout checkpoint offline, between the launches
+        outcome = torch_api_load(ours(world, seed=7), os.path.join(tmp, "ours_as_torch"), saved)
+        assert outcome == "exact", outcome
+
+    @checks("converted_to_upstream_loads_into_upstream")
+    def _():
+        run = Upstream(world, seed=7)
+        branch, said = load(run, os.path.join(tmp, "torch_as_upstream"))
+        assert branch == 1 and not said and not run.checkpointer.missing_optimizer, (branch, said)
+        bad = differences(saved, snap(run))
+        assert not bad, bad
 
     @checks("partial_refused_resharded")
     def _():
