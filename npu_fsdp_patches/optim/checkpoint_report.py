@@ -141,13 +141,13 @@ def _tensors(tree: Any):
             yield from _tensors(value)
 
 
-def _group_params(ckpt: DcpFolder | TorchSaveFile, layout: SavedLayout) -> list[str]:
+def _group_params(ckpt: DcpFolder | TorchSaveFile, layout: SavedLayout, prefix: str) -> list[str]:
     """The params the optimizer holds (stateless ones too), from its groups."""
     fqns = list(layout.flat_groups)
     if isinstance(ckpt, DcpFolder):
         for i in sorted(layout.nested_groups):
             try:
-                fqns.extend(str(f) for f in ckpt.read_object(f"optimizer.param_groups.{i}.params"))
+                fqns.extend(str(f) for f in ckpt.read_object(f"{prefix}.param_groups.{i}.params"))
             except (CheckpointError, Exception):   # noqa: BLE001 - a group list we cannot read names nothing
                 pass
     else:
@@ -158,6 +158,13 @@ def _group_params(ckpt: DcpFolder | TorchSaveFile, layout: SavedLayout) -> list[
 
 
 # ------------------------------------------------------------------------------------------ consumers
+
+def _optimizer_prefix(entries: dict) -> str:
+    """The top-level name the optimizer state is saved under: ``optimizer`` (torch's recipe, hyper's and
+    ours), else the first one holding ``state``/``param_groups`` (``optim`` in some examples)."""
+    found = [k.split(".", 1)[0] for k in entries if ".state." in k or ".param_groups." in k]
+    return "optimizer" if "optimizer" in found or not found else found[0]
+
 
 def _kind(layout: SavedLayout) -> str:
     if any("master_param" in names for names in layout.state.values()):
@@ -210,12 +217,23 @@ def _torch_api(layout: SavedLayout, spec: ModelSpec, missing_model: list[str], f
     return {"consumer": who, "outcome": "exact", "why": "every key torch's template asks for is saved"}
 
 
-def _upstream(layout: SavedLayout, spec: ModelSpec, missing_model: list[str], fmt: str) -> dict:
+def _upstream(layout: SavedLayout, spec: ModelSpec, missing_model: list[str], fmt: str,
+              by_position: bool = False) -> dict:
     who = ("hyper-parallel's Float16OptimizerWithFloat16Params + its DCP checkpointer" if fmt == "dcp"
            else "hyper-parallel's Float16OptimizerWithFloat16Params.load_state_dict")
+    out = _upstream_branch(layout, spec, missing_model, fmt, who)
+    if by_position:   # its ChainedOptimizer hands a state keyed by position to every leaf (torch's rule)
+        out["several_optimizers"] = "refused"
+        out["why"] += ("; over one optimizer only: a chain of several (Muon + AdamW) hands this state, keyed "
+                       "by position, to each of them, and torch refuses the group count (save "
+                       "upstream_state_dict() for it)")
+    return out
+
+
+def _upstream_branch(layout: SavedLayout, spec: ModelSpec, missing_model: list[str], fmt: str, who: str) -> dict:
     groups = ("flattened: what its ChainedOptimizer(flatten=True) over several optimizers (Muon + AdamW) reads"
               if layout.flat_groups else "nested: what a ChainedOptimizer over one optimizer (AdamW) reads")
-    if missing_model and fmt == "dcp":
+    if missing_model and fmt == "dcp":   # its planner checks the model first
         return {"consumer": who, "outcome": "refused", "branch": None, "param_groups": groups,
                 "why": f"Checkpoint is missing {len(missing_model)} model key(s): {', '.join(missing_model)}"}
     present = [f for f in spec.low_precision if f in set(layout.section)]
@@ -238,23 +256,28 @@ def inspect_checkpoint(path: str | os.PathLike, model_fqns: dict[str, str | None
     ckpt = open_checkpoint(path)
     fmt = "dcp" if isinstance(ckpt, DcpFolder) else "torch.save"
     entries = flat_keys(ckpt)
-    layout = SavedLayout.from_keys(entries)
+    prefix = _optimizer_prefix(entries)
+    layout = SavedLayout.from_keys(entries, prefix)
+    by_position = (fmt == "torch.save" and "state" in ckpt.optimizer and any(
+        not isinstance(k, str) for k in ckpt.optimizer.get("state", {}))) or (
+        fmt == "dcp" and bool(layout.state) and all(f.isdigit() and f not in layout.model for f in layout.state))
     world, world_source = _world_size(ckpt)
     model_dtype = {fqn: entries[f"model.{fqn}"]["dtype"] for fqn in layout.model
                    if entries[f"model.{fqn}"]["kind"] == "tensor"}
-    known = dict.fromkeys([*_group_params(ckpt, layout), *layout.state, *layout.section])
+    known = dict.fromkeys([*_group_params(ckpt, layout, prefix), *layout.state, *layout.section])
     if model_fqns is not None:
         spec = ModelSpec({f: d or model_dtype.get(f) for f, d in model_fqns.items()}, "--model-fqns")
     else:
         spec = ModelSpec({f: model_dtype.get(f) or (LOW_PRECISION[0] if f in layout.main_params() else None)
                           for f in known}, "the checkpoint's optimizer state")
+    named = model_fqns is not None or not by_position   # position keys name no model param
     missing_model = (sorted(f for f in spec.params if f not in model_dtype)
-                     if layout.model or fmt == "dcp" else [])
+                     if named and (layout.model or fmt == "dcp") else [])
     kind = _kind(layout)
     params = []
     for fqn in dict.fromkeys([*spec.params, *known]):
-        main_key = (f"optimizer.{SECTION}.{fqn}" if fqn in set(layout.section)
-                    else f"optimizer.state.{fqn}.{MAIN_PARAM}")
+        main_key = (f"{prefix}.{SECTION}.{fqn}" if fqn in set(layout.section)
+                    else f"{prefix}.state.{fqn}.{MAIN_PARAM}")
         params.append({"fqn": fqn, "model_dtype": model_dtype.get(fqn), "shape": entries.get(
             f"model.{fqn}", {}).get("shape"), "optimizer_state": sorted(layout.state.get(fqn, ())),
             "fp32_main_param": main_key in entries,
@@ -269,11 +292,12 @@ def inspect_checkpoint(path: str | os.PathLike, model_fqns: dict[str, str | None
     else:
         consumers = {"ours": _ours(layout, spec, missing_model, fmt),
                      "torch": _torch_api(layout, spec, missing_model, fmt),
-                     "upstream": _upstream(layout, spec, missing_model, fmt)}
+                     "upstream": _upstream(layout, spec, missing_model, fmt, by_position and fmt == "torch.save")}
     ours = consumers["ours"]["outcome"] if "ours" in consumers else "exact"
     complete = not missing_model and ours in ("exact", "not applicable")
     return {
-        "path": os.fspath(path), "format": fmt, "layout": kind,
+        "path": os.fspath(path), "format": fmt, "layout": kind, "optimizer_key": prefix,
+        "state_keys": "position" if by_position else "fqn",
         "param_groups": "flattened" if layout.flat_groups else ("nested" if layout.nested_groups else "none"),
         "world_size": world, "world_size_from": world_source,
         "model": {"from": spec.source, "params": len(spec.params), "low_precision": spec.low_precision,
