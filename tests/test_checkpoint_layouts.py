@@ -1,5 +1,6 @@
 """Every checkpoint layout the project has released still loads, bit for bit, next step included, and
-the ``checkpoint`` command says what each loader does with it (issue 39; docs/main_params.md#7).
+the ``checkpoint`` command says what each loader does with it (issue 39;
+docs/main_params.md#9-every-released-layout-still-loads).
 
 The fixtures in tests/fixtures/checkpoint_layouts were written by the commits that produced each
 layout (MANIFEST.json; ``regenerate.py`` writes them again from git history): the earlier FQN layout,

@@ -1,5 +1,6 @@
 """hyper-parallel's own fp32 wrapper and DCP checkpointer resume the patched trainer's checkpoints, and
-the patched trainer resumes theirs, bit for bit, next step included (issue 39; docs/main_params.md#5).
+the patched trainer resumes theirs, bit for bit, next step included (issue 39;
+docs/main_params.md#5-moving-a-run-to-upstreams-wrapper).
 
 Ours: the config-lineage trainer stand-in tests/fixtures/hyper_parallel_new with ``hp_fp32_main_params``
 applied through the plugin. Upstream: tests/fixtures/upstream_fp32_wrapper (its wrapper and its DCP

@@ -1,5 +1,5 @@
 """Rewrite a checkpoint in the other layout offline: ``npu-fsdp-patches checkpoint PATH --convert-to
-upstream|torch OUT`` (docs/main_params.md#6-the-checkpoint-command, :mod:`.upstream_layout`).
+upstream|torch OUT`` (docs/main_params.md#7-the-checkpoint-command, :mod:`.upstream_layout`).
 
 A DCP folder converts without a process group and without loading it: the two layouts hold the same
 tensors under other names, so the rank files are copied byte for byte (a block at a time: a checkpoint
@@ -250,7 +250,7 @@ class _DcpPlan:
     def _groups_of_flat(self) -> list[tuple[list[str], dict[str, str]]]:
         """Flattened groups regrouped: params whose settings are all equal form one group, groups in
         the order their first param appears. Two groups with equal settings cannot be told apart in
-        the flattened layout and become one (docs/main_params.md#6-the-checkpoint-command)."""
+        the flattened layout and become one (docs/main_params.md#7-the-checkpoint-command)."""
         groups: list[tuple[list[str], dict[str, str], dict[str, Any]]] = []
         for fqn, names in self.layout.flat_groups.items():
             keys = {name: f"optimizer.param_groups.{fqn}.{name}" for name in sorted(names)}

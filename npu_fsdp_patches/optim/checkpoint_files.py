@@ -1,5 +1,5 @@
 """Read a checkpoint offline, with no process group and a few tensors at a time: a DCP folder or a
-``torch.save`` file (docs/main_params.md#6-the-checkpoint-command).
+``torch.save`` file (docs/main_params.md#7-the-checkpoint-command).
 
 A DCP folder is its ``.metadata`` (which keys, dtypes, global shapes and chunks, and where each item's
 bytes sit in the ``__<rank>_<n>.distcp`` files) plus those files. The metadata is a pickle, so it is

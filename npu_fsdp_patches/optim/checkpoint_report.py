@@ -1,5 +1,5 @@
 """What a checkpoint holds and what each consumer will do with it, read offline
-(docs/main_params.md#6-the-checkpoint-command, docs/cli.md#checkpoint).
+(docs/main_params.md#7-the-checkpoint-command, docs/cli.md#checkpoint).
 
 :func:`inspect_checkpoint` reads a DCP folder's metadata or a ``torch.save`` file (no tensor data
 beyond a few param group settings) and reports the layout (:mod:`.upstream_layout`), which params

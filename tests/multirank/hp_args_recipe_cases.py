@@ -1,7 +1,8 @@
 """Rank-side code of tests/test_hp_fp32_args_lineage.py's recipe tests (issue 39): a user of
 hyper-parallel's args-lineage ``BaseTrainer(args)`` (tests/fixtures/hyper_parallel_args), on which
-``hp_fp32_main_params`` stands down, wraps by hand as docs/main_params.md#8 shows, on 2 ranks with a
-bf16 ``fully_shard`` model.
+``hp_fp32_main_params`` stands down, wraps by hand as
+docs/main_params.md#8-hyper-parallels-args-lineage-trainer-wrapping-by-hand shows, on 2 ranks with a bf16
+``fully_shard`` model.
 
 The reference is hyper-parallel's own fp32 wrapper (the stand-in tests/fixtures/upstream_fp32_wrapper,
 written apart from our code) over the same AdamW groups, driven through the same trainer steps: both
