@@ -235,27 +235,19 @@ def two_ranks(rank, world, tmp):
         mains = [k for k in stored if k.startswith(f"optimizer.{SECTION}.")]
         assert len(mains) == len(low)
 
-    @checks("upstream_resumes_ours")
-    def _():
-        target = Upstream(world, seed=7)
-        branch, said = load(target, paths["ours"])
-        outcomes["ours:upstream"] = branch
-        assert branch == 1 and not said and not target.checkpointer.missing_optimizer, (branch, said)
+    def resumes(target, checkpoint, key, branch):
+        """``target`` loads ``checkpoint`` with no fallback: the saved state bit for bit, then the
+        uninterrupted run's next step."""
+        outcomes[f"{checkpoint}:{key}"], said = load(target, paths[checkpoint])
+        assert outcomes[f"{checkpoint}:{key}"] == branch and not said, (outcomes, said)
+        assert not getattr(getattr(target, "checkpointer", None), "missing_optimizer", None)
         bad = differences(saved, snap(target))
         assert not bad, f"loaded state differs: {bad}"
         bad = differences(reference, snap(train(target, 1, rank, world, start=2)))
         assert not bad, f"next step differs: {bad}"
 
-    @checks("ours_resumes_upstream")
-    def _():
-        target = ours(world, seed=7)
-        branch, said = load(target, paths["upstream"])
-        outcomes["upstream:ours"] = branch
-        assert branch == "main_params" and not said, (branch, said)
-        bad = differences(saved, snap(target))
-        assert not bad, f"loaded state differs: {bad}"
-        bad = differences(reference, snap(train(target, 1, rank, world, start=2)))
-        assert not bad, f"next step differs: {bad}"
+    checks.run("upstream_resumes_ours", lambda: resumes(Upstream(world, seed=7), "ours", "upstream", 1))
+    checks.run("ours_resumes_upstream", lambda: resumes(ours(world, seed=7), "upstream", "ours", "main_params"))
 
     @checks("negative_control")
     def _():
