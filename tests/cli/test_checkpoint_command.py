@@ -262,7 +262,7 @@ def test_a_checkpoint_larger_than_the_memory_it_uses_converts(tmp_path):
         from npu_fsdp_patches.optim import MainParamsOptimizer, save_checkpoint
         model = nn.Module()
         for i in range(4):
-            setattr(model, f"w{{i}}", nn.Parameter(torch.rand(1 << 20).to(torch.bfloat16)))
+            setattr(model, f"w{{i}}", nn.Parameter(torch.rand(1 << 19).to(torch.bfloat16)))
         opt = MainParamsOptimizer(torch.optim.AdamW(model.parameters()), model)
         for p in model.parameters():
             p.grad = torch.rand_like(p)
@@ -284,7 +284,7 @@ def test_a_checkpoint_larger_than_the_memory_it_uses_converts(tmp_path):
     """
     proc = run_python(probe, timeout=300)
     code_, grown = proc.stdout.split("GROWN")[-1].split()
-    assert int(code_) == 0 and size > 40 << 20, size
+    assert int(code_) == 0 and size > 20 << 20, size
     assert int(grown) < size // 4, f"grew {int(grown) >> 20} MiB converting {size >> 20} MiB"
     print(f"converting {size >> 20} MiB grew the process by {int(grown) >> 20} MiB")
 
