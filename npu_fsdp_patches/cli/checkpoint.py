@@ -96,8 +96,12 @@ def main(args: argparse.Namespace) -> int:
     layout, out = args.convert_to or (None, None)
     if layout not in (None, "upstream", "torch"):
         return _emit(args.json, None, f"--convert-to takes upstream or torch, not {layout!r}", EXIT_UNUSABLE)
-    from npu_fsdp_patches.optim.checkpoint_files import CheckpointError
-    from npu_fsdp_patches.optim.checkpoint_report import inspect_checkpoint, read_model_fqns
+    try:
+        from npu_fsdp_patches.optim.checkpoint_files import CheckpointError
+        from npu_fsdp_patches.optim.checkpoint_report import inspect_checkpoint, read_model_fqns
+    except Exception as exc:   # noqa: BLE001 - a broken torch is one line, not a traceback
+        return _emit(args.json, None, f"cannot import torch to read checkpoints: {type(exc).__name__}: {exc}",
+                     EXIT_UNUSABLE)
     try:
         model = read_model_fqns(args.model_fqns) if args.model_fqns else None
         report = inspect_checkpoint(args.path, model)
@@ -107,4 +111,6 @@ def main(args: argparse.Namespace) -> int:
                                                      param_groups=args.param_groups, progress=_Progress())
     except (CheckpointError, OSError) as exc:
         return _emit(args.json, None, str(exc), EXIT_UNUSABLE)
+    except Exception as exc:   # noqa: BLE001 - a malformed checkpoint is one line, never a traceback
+        return _emit(args.json, None, f"cannot read {args.path}: {type(exc).__name__}: {exc}", EXIT_UNUSABLE)
     return _emit(args.json, report, None, EXIT_COMPLETE if report["complete"] else EXIT_INCOMPLETE)

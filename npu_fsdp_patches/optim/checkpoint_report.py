@@ -173,7 +173,8 @@ def _kind(layout: SavedLayout) -> str:
 
 
 def _ours(layout: SavedLayout, spec: ModelSpec, missing_model: list[str], fmt: str) -> dict:
-    who = "load_checkpoint" if fmt == "dcp" else "MainParamsOptimizer.load_state_dict"
+    who = ("npu_fsdp_patches.optim.load_checkpoint" if fmt == "dcp"
+           else "npu_fsdp_patches.optim.MainParamsOptimizer.load_state_dict")
     if missing_model:
         return {"consumer": who, "outcome": "refused", "missing": missing_model,
                 "why": f"the checkpoint lacks model entries: {', '.join(missing_model)}"}
