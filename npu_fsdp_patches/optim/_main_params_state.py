@@ -130,7 +130,7 @@ def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable
     rest = {k: v for k, v in state_dict.items() if k != MP_KEY}
     groups = rest.get("param_groups")
     if any(_has_main_param(entry) for entry in rest.get("state", {}).values()):
-        return rest, _names_by_identity(groups, rest.get("state", {}), mains)   # ours: same tensors
+        return rest, names_by_identity(groups, rest.get("state", {}), mains)   # ours: same tensors
     keys = [k for g in groups for k in g["params"]] if isinstance(groups, list) else []
     if len(keys) != len(fqns):
         return rest, None   # split_by_leaf names the structural mismatch
@@ -141,7 +141,7 @@ def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable
     return rest | {"state": state}, None
 
 
-def _names_by_identity(groups: Any, state: Mapping, mains: Mapping) -> list[list[str | None]] | None:
+def names_by_identity(groups: Any, state: Mapping, mains: Mapping) -> list[list[str | None]] | None:
     """Per saved group, the section's FQN of each saved param whose ``main_param`` is a section
     entry's very tensor (or the same storage, offset, shape and stride), else ``None``."""
     if not isinstance(groups, list):

@@ -29,7 +29,7 @@ import torch
 from ._leaf_views import MAIN_PARAM
 from ._main_params_state import MAIN_PARAMS_KEY, MP_KEY
 from .checkpoint_files import CheckpointError, DcpFolder, TorchSaveFile, open_checkpoint
-from .checkpoint_report import _index_names
+from .checkpoint_report import index_names
 from .upstream_layout import SECTION, SavedLayout
 
 __all__ = ["convert_checkpoint"]
@@ -325,7 +325,7 @@ def _convert_dict(ckpt: TorchSaveFile, to: str, param_groups: str) -> dict:
     if "state" not in osd:
         raise CheckpointError(f"{ckpt.path} holds a flattened optimizer state; convert the DCP checkpoint "
                               f"instead, or load it and call upstream_state_dict / get_optimizer_state_dict")
-    names = _index_names(osd)
+    names = index_names(osd)
     unnamed = sorted(str(v) for v in names.values() if str(v).startswith("#"))
     if unnamed:
         raise CheckpointError(f"{ckpt.path} keys its state by position and names no FQN for {', '.join(unnamed)} "

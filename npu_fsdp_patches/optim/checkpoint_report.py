@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from ._leaf_views import MAIN_PARAM
-from ._main_params_state import MAIN_PARAMS_KEY, MP_KEY
+from ._main_params_state import MAIN_PARAMS_KEY, MP_KEY, names_by_identity
 from .checkpoint_files import CheckpointError, DcpFolder, TorchSaveFile, open_checkpoint
 from .main_params_checkpoint import main_params_branch
 from .tensors import is_torch_dtensor
 from .upstream_layout import SECTION, SavedLayout
 
-__all__ = ["inspect_checkpoint", "read_model_fqns", "ModelSpec", "CheckpointError", "flat_keys"]
+__all__ = ["inspect_checkpoint", "read_model_fqns", "ModelSpec", "CheckpointError", "flat_keys", "index_names"]
 
 LOW_PRECISION = ("torch.bfloat16", "torch.float16")
 _DTYPE_NAMES = {"bf16": "torch.bfloat16", "bfloat16": "torch.bfloat16", "fp16": "torch.float16",
@@ -89,7 +89,7 @@ def flat_keys(ckpt: DcpFolder | TorchSaveFile) -> dict[str, dict]:
     if "state" not in osd:   # torch's flattened layout
         out.update({f"optimizer.{k}": _describe(v) for k, v in osd.items() if k != MP_KEY})
     else:
-        names = _index_names(osd)
+        names = index_names(osd)
         for key, entry in osd.get("state", {}).items():
             for name, value in (entry.items() if isinstance(entry, dict) else ()):
                 out[f"optimizer.state.{names.get(key, key)}.{name}"] = _describe(value)
@@ -100,13 +100,12 @@ def flat_keys(ckpt: DcpFolder | TorchSaveFile) -> dict[str, dict]:
     return out
 
 
-def _index_names(osd: dict) -> dict:
+def index_names(osd: dict) -> dict:
     """Position key -> FQN, where the state dict tells it."""
-    from ._main_params_state import _names_by_identity
     groups = osd.get("param_groups", [])
     names: dict = {}
     section = osd.get(MP_KEY, {}).get(MAIN_PARAMS_KEY) if isinstance(osd.get(MP_KEY), dict) else None
-    by_identity = _names_by_identity(groups, osd.get("state", {}), section) if section else None
+    by_identity = names_by_identity(groups, osd.get("state", {}), section) if section else None
     for gi, group in enumerate(groups):
         keys = group.get("params", [])
         for pi, key in enumerate(keys):
@@ -151,7 +150,7 @@ def _group_params(ckpt: DcpFolder | TorchSaveFile, layout: SavedLayout, prefix: 
             except (CheckpointError, Exception):   # noqa: BLE001 - a group list we cannot read names nothing
                 pass
     else:
-        names = _index_names(ckpt.optimizer) if "state" in ckpt.optimizer else {}
+        names = index_names(ckpt.optimizer) if "state" in ckpt.optimizer else {}
         for group in ckpt.optimizer.get("param_groups", []):
             fqns.extend(str(names.get(k, k)) for k in group.get("params", []))
     return fqns
