@@ -12,6 +12,7 @@ import pytest
 from tests.distributed import launch_once, run_ranks
 from tests.multirank import hp_args_recipe_cases as recipe
 from tests.support import assert_check, install_fixture, run_case
+from tests.torch_versions import needs_fsdp2_on_cpu
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def _recipe(tmp):
                      env={"PYTHONPATH": str(site), "NPU_FSDP_PATCHES_ENABLE": "hp_fp32_main_params"})
 
 
+@needs_fsdp2_on_cpu
 @pytest.mark.parametrize("check", recipe.CHECKS)
 def test_wrapping_by_hand_on_the_args_lineage(tmp_path_factory, check):
     """docs/main_params.md#8's recipe on 2 ranks, bf16 fully_shard: it wraps the base's AdamW, steps as

@@ -19,6 +19,9 @@ import pytest
 from tests.distributed import launch_once, run_ranks
 from tests.multirank import upstream_resume_cases as cases
 from tests.support import assert_check, install_fixture
+from tests.torch_versions import needs_fsdp2_on_cpu
+
+pytestmark = needs_fsdp2_on_cpu   # the ranks train a fully_shard model
 
 
 @launch_once

@@ -178,7 +178,12 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module,
         # the model first (torch's set_state_dict loads the optimizer first): main params rebuilt
         # from the model ("plain") must see the loaded model
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(model, optimizer, loaded, options=StateDictOptions(strict=False))
+        if isinstance(optimizer, MainParamsOptimizer):
+            # keyed by FQN, which the wrapper matches itself (torch's set_optimizer_state_dict needs state
+            # for every param on older torch: 2.6 raises KeyError for a param saved without state)
+            optimizer.load_state_dict(loaded)
+        else:
+            set_optimizer_state_dict(model, optimizer, loaded, options=StateDictOptions(strict=False))
     return branch
 
 
