@@ -192,7 +192,8 @@ def _ours(layout: SavedLayout, spec: ModelSpec, missing_model: list[str], fmt: s
 
 def _missing_main_params(layout: SavedLayout, spec: ModelSpec) -> list[str]:
     if layout.section:
-        return sorted(f for f in spec.low_precision if f not in set(layout.section))
+        section = set(layout.section)
+        return sorted(f for f in spec.low_precision if f not in section)
     return sorted(f for f in spec.low_precision if f in layout.state and MAIN_PARAM not in layout.state[f])
 
 
@@ -236,8 +237,9 @@ def _upstream_branch(layout: SavedLayout, spec: ModelSpec, missing_model: list[s
     if missing_model and fmt == "dcp":   # its planner checks the model first
         return {"consumer": who, "outcome": "refused", "branch": None, "param_groups": groups,
                 "why": f"Checkpoint is missing {len(missing_model)} model key(s): {', '.join(missing_model)}"}
-    present = [f for f in spec.low_precision if f in set(layout.section)]
-    missing = [f for f in spec.low_precision if f not in set(layout.section)]
+    section = set(layout.section)
+    present = [f for f in spec.low_precision if f in section]
+    missing = [f for f in spec.low_precision if f not in section]
     if not missing:
         return {"consumer": who, "outcome": "exact", "branch": 1, "param_groups": groups,
                 "why": "branch 1: every main param is in its _mixed_precision_optimizer section"}
@@ -274,9 +276,9 @@ def inspect_checkpoint(path: str | os.PathLike, model_fqns: dict[str, str | None
     missing_model = (sorted(f for f in spec.params if f not in model_dtype)
                      if named and (layout.model or fmt == "dcp") else [])
     kind = _kind(layout)
-    params = []
+    params, section = [], set(layout.section)
     for fqn in dict.fromkeys([*spec.params, *known]):
-        main_key = (f"{prefix}.{SECTION}.{fqn}" if fqn in set(layout.section)
+        main_key = (f"{prefix}.{SECTION}.{fqn}" if fqn in section
                     else f"{prefix}.state.{fqn}.{MAIN_PARAM}")
         params.append({"fqn": fqn, "model_dtype": model_dtype.get(fqn), "shape": entries.get(
             f"model.{fqn}", {}).get("shape"), "optimizer_state": sorted(layout.state.get(fqn, ())),

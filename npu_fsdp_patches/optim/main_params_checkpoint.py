@@ -93,8 +93,8 @@ def main_params_branch(saved: SavedLayout, low_precision: list[str]) -> str:
     checkpoint must hold are there. The RFC section must hold every bf16/fp16 param (upstream's rule);
     torch's layout holds ``main_param`` for the params that have optimizer state."""
     if saved.section:
-        expected = low_precision
-        present = [f for f in expected if f in set(saved.section)]
+        expected, section = low_precision, set(saved.section)
+        present = [f for f in expected if f in section]
     else:
         expected = [f for f in low_precision if f in saved.state]
         present = [f for f in expected if MAIN_PARAM in saved.state[f]]
