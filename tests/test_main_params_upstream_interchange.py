@@ -7,6 +7,9 @@ code: tests/multirank/upstream_interchange_cases.py. One launch serves every tes
 import pytest
 
 from tests.distributed import launch_once, run_ranks
+from tests.torch_versions import needs_fsdp2_on_cpu
+
+pytestmark = needs_fsdp2_on_cpu   # the ranks train fully_shard models
 
 
 @launch_once
