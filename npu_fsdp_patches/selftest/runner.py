@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import NoReturn, Optional
 
 from . import report
 from .checks import CHECKS
@@ -125,7 +125,7 @@ def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
     return _finish(plan, versions, checks, ranks, timed_out, plan.nproc_per_node, as_json, log_tail)
 
 
-def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
+def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> NoReturn:
     """Every rank of the job runs this; rank 0 prints. A watchdog ends a rank still here at --timeout."""
     from .rank import StatusFile, run_rank  # pylint: disable=import-outside-toplevel
 
@@ -145,9 +145,12 @@ def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
     ranks = [{"rank": r, "state": "finished", "check": None, "last_finished": plan.checks[-1] if plan.checks else None,
               "seconds_in_check": None, "error": None}
              for r in range(job["world_size"])]
-    if not lead:
-        return _exit_code(checks)
-    return _finish(plan, versions, checks, ranks, False, job["world_size"], as_json)
+    code = _finish(plan, versions, checks, ranks, False, job["world_size"], as_json) if lead else _exit_code(checks)
+    # Everything is reported: skip interpreter teardown, where gloo's background threads can abort a rank
+    # ("terminate called without an active exception", SIGABRT) and fail the user's passing torchrun job.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _exit_code(checks: list) -> int:
