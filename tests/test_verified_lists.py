@@ -45,7 +45,8 @@ def test_the_readme_stack_te_2_13_with_megatron_is_verified_for_every_patch_it_e
                                            flavor="nvidia")
     decisions = {n: decide(s, found, parse_settings({})) for n, s in MATRIX.patches.items()}
     enabled = {n: d for n, d in decisions.items() if d.enabled}
-    assert set(enabled) == {"te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_initialize_state_compat"}
+    assert set(enabled) == {"te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_initialize_state_compat",
+                            "te_fused_adam_empty_scale", "te_fused_adam_empty_group_step"}
     assert {n: d.unverified for n, d in enabled.items()} == {n: () for n in enabled}
     # the same version of the other flavour is not verified
     found["transformer_engine"] = found["transformer_engine"]._replace(flavor="npu", version="2.13.0")
@@ -78,7 +79,7 @@ def test_a_real_package_of_a_stand_in_version_is_not_verified_and_doctor_says_wh
     found["torch"] = Detected("torch", True, "torch", "2.13.0")
     found["transformer_engine"] = Detected("transformer_engine", True, "transformer-engine-npu", "0.1.0", flavor="npu")
     found["hyper_parallel"] = Detected("hyper_parallel", True, "hyper-parallel", "0.1.0")
-    te = decide(MATRIX.patches["te_fused_adam_dtensor"], found, parse_settings({}))
+    te = decide(MATRIX.patches["te_fused_adam_empty_group_step"], found, parse_settings({}))
     hyper = decide(MATRIX.patches["hp_skip_dispatch_adamw"], found, parse_settings({}))
     assert te.enabled and te.unverified == (
         "transformer-engine-npu 0.1.0 (npu); the suite ran only a stand-in of it",), te.unverified
