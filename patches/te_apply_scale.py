@@ -14,10 +14,11 @@ FP8 state.
   ones included, so they are scaled bit for bit as TE does.
 
 Which FP8 write a release uses is read from its own ``_apply_scale`` (1.13:
-``scaled_state._scale_inv.copy_(scale)``; 2.1 on: ``scaled_state._quantizer.scale.copy_(1 / scale)``); a
-release whose code matches neither, or whose FP8 branch already keeps zero states finite, keeps its own
-FP8 branch. fp16 and bf16 states always go to TE's original. Releases and upstream status:
-compat_matrix.yaml, docs/patches.md.
+``scaled_state._scale_inv.copy_(scale)``; 2.1 on: ``scaled_state._quantizer.scale.copy_(1 / scale)``). A
+release whose FP8 branch already keeps zero states finite keeps its own FP8 branch; one whose FP8 code
+matches neither known write fails the patch (rather than report it applied where zero states stay NaN).
+fp16 and bf16 states always go to TE's original. Releases and upstream status: compat_matrix.yaml,
+docs/patches.md.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ _FORMULA = ("min_val,max_val=torch.aminmax(unscaled_state)", "absmax=torch.maxim
 
 def fp8_write(original) -> Optional[Callable]:
     """The FP8 write of this release's ``_apply_scale``, when its source has the known formula and one
-    known write; None otherwise (the release keeps its own FP8 branch)."""
+    known write; None otherwise."""
     try:
         source = re.sub(r"\s+", "", inspect.getsource(original))
     except (OSError, TypeError):
@@ -71,8 +72,13 @@ def scale_fp8(opt, state_name, unscaled_state, scaled_state, scale, write) -> No
 
 
 def _apply_scale(original):
-    write = None if _keeps_zero_fp8_finite(original) else fp8_write(original)
+    fixed = _keeps_zero_fp8_finite(original)
+    write = None if fixed else fp8_write(original)
     float8_cls = getattr(original, "__globals__", {}).get("Float8Tensor")
+    if write is None and float8_cls is not None and not fixed:
+        raise RuntimeError("this release's _apply_scale does not compute the FP8 scale with a write the patch "
+                           "knows (docs/te_fused_adam.md#19-fp8-moments), so its all-zero FP8 states would stay "
+                           "NaN: not applied")
 
     def _apply_scale(self, state_name, unscaled_state, scaled_state, scale):
         if unscaled_state.numel() == 0:

@@ -33,7 +33,8 @@ def assert_megatron_resume(results, megatron_prefix: str) -> None:
         assert r["groups"] == [[w, list(names)] for w, names in cases.GROUPS], r["groups"]
         assert {int(w): v for w, v in r["layout"].items()} == {
             w: [[[list(s) for s in g] for g in ranks] for ranks in v] for w, v in cases.LAYOUT.items()}
-        assert "cuda" in r["factory_stop"].lower() or "nvidia" in r["factory_stop"].lower(), r["factory_stop"]
+        stop = r["factory_stop"]   # 0.16: DistributedOptimizer's CUDA tensor; 0.19: skip_megatron_wrapping
+        assert stop is None or "cuda" in stop.lower() or "nvidia" in stop.lower(), stop
     own = {k: v for r in results for k, v in r["unpatched"]["resumed"].items()}
     assert own["2:1"]["after_load"] == [3, None] and not own["1:from1"]["matches_reference"], own
     got = {k: v for r in results for k, v in r["patched"]["resumed"].items()}

@@ -10,7 +10,7 @@ What runs of Megatron-Core (0.16.1 here, 0.19.2 under Python 3.12), on gloo/CPU:
   rank of a 1-, 2- and 3-rank data-parallel group (a stand-in group object answers ``rank()`` /
   ``size()``: these are pure index computations);
 * the factory ``_get_megatron_optimizer_based_on_param_groups``, which builds TE's ``FusedAdam`` with
-  Megatron's kwargs over those groups.
+  Megatron's kwargs over those groups (0.19 hands it back with ``skip_megatron_wrapping=True``).
 
 What cannot run on CPU, and what the case does instead:
 
@@ -18,8 +18,9 @@ What cannot run on CPU, and what the case does instead:
   ``"cpu"`` (only while the buffer is built);
 * ``DistributedOptimizer.__init__`` stops in ``MixedPrecisionOptimizer.__init__`` at
   ``torch.tensor([0], dtype=torch.int, device='cuda')`` (0.16.1 ``optimizer.py:481``), before it shards
-  anything, and its ``_build_model_and_main_param_groups`` accepts only ``torch.cuda.*Tensor`` params. So
-  the factory's FusedAdam is taken from the factory's frame and given what that method gives it for fp32
+  anything (0.19.2 ``optimizer.py:698``), and its ``_build_model_and_main_param_groups`` accepts only
+  ``torch.cuda.*Tensor`` params. So the factory's FusedAdam is taken from the factory's frame (0.16) or its
+  return value (0.19) and given what that method gives it for fp32
   params: each group's ``params`` becomes the rank's slices ``model_param.view(-1)[start:end]`` (as
   leaf tensors), then ``optimizer.load_state_dict(optimizer.state_dict())`` as the constructor does
   (0.16.1 ``distrib_optimizer.py:606-608``); each group's ``weight_decay`` is set to
@@ -103,10 +104,14 @@ def megatron_layout(mco) -> dict:
 
 
 def _factory_optimizer(mco, built: dict):
-    """TE's FusedAdam as Megatron's factory builds it over the model's param groups, and where it stopped."""
+    """TE's FusedAdam as Megatron's factory builds it over the model's param groups, and where it stopped
+    (None where the factory hands the inner optimizer back itself: ``skip_megatron_wrapping``, 0.18+)."""
     groups = [{**g, "params": list(g["params"])} for g in built["param_groups"]]
+    factory = mco._get_megatron_optimizer_based_on_param_groups
+    if "skip_megatron_wrapping" in inspect.signature(factory).parameters:
+        return factory(built["config"], [built["model"]], groups, skip_megatron_wrapping=True)[0], None
     try:
-        mco._get_megatron_optimizer_based_on_param_groups(built["config"], [built["model"]], groups)
+        factory(built["config"], [built["model"]], groups)
     except Exception as exc:   # the DistributedOptimizer's CUDA tensor (module docstring)
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_name != "_get_megatron_optimizer_based_on_param_groups":
