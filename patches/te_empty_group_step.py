@@ -10,13 +10,15 @@ PR #3318) advances every group's counter before it skips the empty ones.
 ``FusedAdam.step`` itself is ``te_fused_adam_dtensor``'s target on some releases (one patch per
 object), so this patch targets the constructor: each FusedAdam built while it is applied gets a
 step pre-hook and post-hook (torch's optimizer hook API, which torch's hooked ``step`` runs on every
-call). The pre-hook notes the counter of each empty group; after a step that did not move it, the
+call), and so does each one built before the patch was first applied. The pre-hook notes the counter of each empty group; after a step that did not move it, the
 post-hook advances it by TE 2.19's rule. A step that already advanced it (our DTensor step) is left
 alone, a group with params is never touched, and hooks of a reverted patch do nothing.
 Releases and upstream status: compat_matrix.yaml, docs/patches.md.
 """
 from __future__ import annotations
 
+import sys
+import weakref
 from types import SimpleNamespace
 
 from npu_fsdp_patches.patch import PATCH_MARK, Patch, is_marked, unpatched
@@ -25,6 +27,8 @@ from .te_fused_adam import FUSED_ADAM_MODULE
 
 NAME = "te_fused_adam_empty_group_step"
 _MISSING = object()
+#: the optimizers that carry our hooks (each gets them once, also across revert and apply)
+_HOOKED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def advance(opt, group: dict) -> None:
@@ -77,12 +81,33 @@ def _hooks():
     return note_empty_groups, advance_empty_groups
 
 
+def _add_hooks(opt) -> None:
+    if opt not in _HOOKED:
+        pre, post = _hooks()
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+        _HOOKED.add(opt)
+
+
+def _hook_existing() -> None:
+    """Hook the FusedAdam objects built before the patch was first applied (its module imported before the
+    plugin activated). Torch wraps a class's ``step`` for profiling when the first object of it is built, so
+    an unwrapped ``step`` proves there is none and the scan of the heap is skipped."""
+    cls = getattr(sys.modules.get(FUSED_ADAM_MODULE), "FusedAdam", None)
+    if cls is None or not getattr(unpatched(cls.__dict__.get("step")), "hooked", False):
+        return
+    import gc
+    for obj in gc.get_referrers(cls):
+        if isinstance(obj, cls):
+            _add_hooks(obj)
+
+
 def _init(original):
+    _hook_existing()
+
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        pre, post = _hooks()
-        self.register_step_pre_hook(pre)
-        self.register_step_post_hook(post)
+        _add_hooks(self)
     return __init__
 
 

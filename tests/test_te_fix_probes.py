@@ -83,3 +83,22 @@ def test_scale_patch_fails_rather_than_report_an_fp8_write_it_does_not_know(tmp_
     state, why = got["status"]["te_fused_adam_empty_scale"]
     assert state == "failed" and "FP8" in why and "not applied" in why, got
     assert not got["moment_finite"], got      # TE's own code, as reported
+
+
+_EARLY = """
+import json, torch, npu_fsdp_patches
+from transformer_engine.pytorch.optimizers import FusedAdam
+p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2)
+early = FusedAdam([{"params": [p]}, {"params": []}])   # built while the patch is off
+early.step()
+npu_fsdp_patches.apply("te_fused_adam_empty_group_step")
+early.step(); early.step()
+print(json.dumps([g.get("step") for g in early.param_groups]))
+"""
+
+
+def test_counter_patch_also_covers_an_optimizer_built_before_it_was_applied():
+    """The plugin applied late: the FusedAdam built before gets the hooks too (its first step is lost)."""
+    out = run_python(_EARLY, paths=[require_te_site("2.18.0")],
+                     env={**_ENV, "NPU_FSDP_PATCHES_DISABLE": "te_fused_adam_empty_group_step"}).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == [3, 2], out
