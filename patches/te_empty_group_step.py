@@ -10,9 +10,10 @@ PR #3318) advances every group's counter before it skips the empty ones.
 ``FusedAdam.step`` itself is ``te_fused_adam_dtensor``'s target on some releases (one patch per
 object), so this patch targets the constructor: each FusedAdam built while it is applied gets a
 step pre-hook and post-hook (torch's optimizer hook API, which torch's hooked ``step`` runs on every
-call), and so does each one built before the patch was first applied. The pre-hook notes the counter of each empty group; after a step that did not move it, the
-post-hook advances it by TE 2.19's rule. A step that already advanced it (our DTensor step) is left
-alone, a group with params is never touched, and hooks of a reverted patch do nothing.
+call), and so does each one built before the patch was first applied. The pre-hook notes the counter
+of each empty group; after a step that did not move it, the post-hook advances it by TE 2.19's rule.
+A step that already advanced it (our DTensor step) is left alone, a group with params is never
+touched, and hooks of a reverted patch do nothing.
 Releases and upstream status: compat_matrix.yaml, docs/patches.md.
 """
 from __future__ import annotations
@@ -122,8 +123,8 @@ def _step_function(cls):
 
 
 class TeFusedAdamEmptyGroupStep(Patch):
-    """Every FusedAdam built while the patch is applied gets a step pre-hook and post-hook (torch's
-    optimizer hook API): after each step, a param group without params on this rank advances its
+    """Every FusedAdam built while the patch is applied, or before it was first applied, gets a step
+    pre-hook and post-hook (torch's optimizer hook API): after each step, a param group without params on this rank advances its
     counter `group["step"]` exactly as TE 2.19 does (+1, or from the overflow flag when capturable;
     734ce31e, PR #3318), unless the step already did. Groups with params are not touched, so they step
     bit for bit as before; TE's `step` itself is left to `te_fused_adam_dtensor`."""

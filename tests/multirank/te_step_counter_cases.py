@@ -107,7 +107,8 @@ def _resume(saved: list, source: int, slices, reference: dict, make=None) -> dic
     loaded = counters(opt)
     set_grads(opt, slices, STEPS)
     opt.step()
-    flat = [(p, n, s, e) for group, spec in zip(opt.param_groups, slices) for p, (n, s, e) in zip(group["params"], spec)]
+    flat = [(p, n, s, e) for group, spec in zip(opt.param_groups, slices)
+            for p, (n, s, e) in zip(group["params"], spec)]
     same = all(torch.equal(p.view(torch.int32), reference[n][s:e].view(torch.int32)) for p, n, s, e in flat)
     return {"after_load": loaded, "after_step": counters(opt), "matches_reference": same,
             "holds": [len(spec) for spec in slices]}
