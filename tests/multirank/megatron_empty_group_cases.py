@@ -2,8 +2,8 @@
 
 What runs of Megatron-Core (0.16.1 here, 0.19.2 under Python 3.12), on gloo/CPU:
 
-* ``_get_param_groups`` (``megatron/core/optimizer/__init__.py``): the weight-decay and
-  ``no_weight_decay`` groups of ``MODEL`` (a collective: every rank calls it once);
+* ``_get_param_groups`` (``megatron/core/optimizer/__init__.py``) with ``get_standard_config_overrides``:
+  the weight-decay and ``no_weight_decay`` groups of ``MODEL`` (a collective: every rank calls it once);
 * the distributed optimizer's padded buffer layout and shard ranges: ``_ParamAndGradBuffer`` (its own
   layout in 0.16.1; in 0.19 the one ``DistributedOptimizer._compute_per_buffer_param_layout`` computes),
   then ``DistributedOptimizer._build_gbuf_range_map`` and ``_build_optimizer_group_ranges``, for each
@@ -89,7 +89,9 @@ def megatron_layout(mco) -> dict:
     model = _model()
     names = {p: n for n, p in model.named_parameters()}
     config = mco.OptimizerConfig(optimizer="adam", lr=cases.LR, weight_decay=cases.WD, use_distributed_optimizer=True)
-    groups = mco._get_param_groups([model], config, None)
+    # the standard overrides (no weight decay for biases and 1-D params): what get_megatron_optimizer passes in
+    # 0.19 (optimizer/__init__.py:1031-1032) and what _get_param_groups applies itself for None in 0.16
+    groups = mco._get_param_groups([model], config, mco.get_standard_config_overrides(config))
     layout = {}
     for world in (1, 2, 3):
         layout[world] = []
