@@ -12,9 +12,12 @@ with one line saying what it needs.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -77,9 +80,34 @@ def init_distributed(device_type: str) -> torch.device:
     return torch.device(device_type, index)
 
 
+#: checkpoint folders this run made for itself, removed when it ends (a folder the user named is kept)
+_SCRATCH: list = []
+
+
+def _remove_scratch() -> None:
+    while _SCRATCH:
+        shutil.rmtree(_SCRATCH.pop(), ignore_errors=True)
+
+
+def checkpoint_dir(given: str | None, example: str) -> str:
+    """Where the example saves: ``given`` (``--ckpt``, kept), else a folder in the temp directory named
+    after the example and torchrun's agent (the parent of every rank, so all ranks agree), which rank 0
+    removes when the run ends, passed or failed: examples leave nothing behind."""
+    if given:
+        return given
+    path = os.path.join(tempfile.gettempdir(), f"{example}_{os.getppid()}")
+    if not _SCRATCH and int(os.environ.get("RANK", "0")) == 0:
+        atexit.register(_remove_scratch)    # an example that raises ends through the interpreter's exit
+    _SCRATCH.append(path)
+    return path
+
+
 def finish(ok: bool, failure: str) -> None:
-    """Leave the process group on every rank and exit 0 when ``ok``, else 1 with ``failure``."""
+    """Leave the process group on every rank and exit 0 when ``ok``, else 1 with ``failure``; rank 0
+    removes the example's own checkpoint folder once every rank is done with it."""
     dist.barrier()
+    if dist.get_rank() == 0:
+        _remove_scratch()
     dist.destroy_process_group()
     if not ok:
         print(f"FAILED: {failure}", file=sys.stderr)

@@ -11,8 +11,6 @@ Needs numpy (torch.distributed.checkpoint calls ``Tensor.numpy()``; torch's CPU 
 it): without it the example exits 2 at once and says so.
 """
 import argparse
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -20,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed, require_numpy
+from device_setup import add_device_argument, checkpoint_dir, finish, init_distributed, require_numpy
 from npu_fsdp_patches.optim import FusedAdam
 
 
@@ -59,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     require_numpy("fsdp2_fused_adam.py")
     device = init_distributed(args.device)
-    ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"fsdp2_fused_adam_{os.getppid()}")
+    ckpt = checkpoint_dir(args.ckpt, "fsdp2_fused_adam")
 
     model, opt = build(seed=0, device=device)
     first_loss = train(model, opt, 0, 1, device)

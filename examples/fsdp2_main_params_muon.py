@@ -11,8 +11,6 @@ the uninterrupted run's, and the loss went down. Exits 1 otherwise. Needs torch.
 and numpy (for the checkpoint; without it the example exits 2 at once and says so).
 """
 import argparse
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed, require_numpy
+from device_setup import add_device_argument, checkpoint_dir, finish, init_distributed, require_numpy
 from npu_fsdp_patches.optim import (MainParamsOptimizer, apply_model_init_dtype, build_muon_adamw,
                                     load_checkpoint, save_checkpoint, validate_fp32_main_params_config)
 
@@ -91,7 +89,7 @@ def main():
     device = init_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"fsdp2_main_params_muon_{os.getppid()}")
+    ckpt = checkpoint_dir(args.ckpt, "fsdp2_main_params_muon")
     half = args.steps // 2
 
     model, opt = build(mesh, device)

@@ -17,8 +17,6 @@ The check: the resumed run equals the uninterrupted one bit for bit (losses, eve
 fp32 main param) and ``extra_state`` came back. Exits 1 otherwise.
 """
 import argparse
-import os
-import tempfile
 
 import npu_fsdp_patches
 
@@ -29,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from device_setup import add_device_argument, finish, init_distributed, require, require_numpy
+from device_setup import add_device_argument, checkpoint_dir, finish, init_distributed, require, require_numpy
 from npu_fsdp_patches.optim import MainParamsOptimizer, apply_model_init_dtype
 
 VOCAB, DIM, BATCH, SEQ = 11, 8, 4, 6
@@ -125,13 +123,14 @@ def main() -> None:
     args = parser.parse_args()
     require_numpy("veomni_main_params.py")
     require("veomni_main_params.py", "veomni", "0.1.4 or later: its build_optimizer and checkpointer",
-            "install it as CI does, veomni==0.1.12 with its pins (.ci/steps/40-veomni.sh)")
+            "install it with the Install block of docs/integrations/veomni.md (veomni==0.1.12, "
+            "transformers==5.18.0 without its deps, no torchvision)")
     device = init_distributed(args.device)
     from veomni.distributed.parallel_state import init_parallel_state
     world = dist.get_world_size()
     init_parallel_state(dp_size=world, dp_shard_size=world, dp_mode="fsdp2", device_type=device.type)
     mesh = init_device_mesh(device.type, (world,))
-    ckpt = args.ckpt or os.path.join(tempfile.gettempdir(), f"veomni_main_params_{os.getppid()}")
+    ckpt = checkpoint_dir(args.ckpt, "veomni_main_params")
 
     model, opt = build(args.optimizer, mesh, device)
     straight = train(model, opt, range(4), device)

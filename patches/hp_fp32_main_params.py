@@ -8,8 +8,11 @@ updates. This patch routes the trainer into npu_fsdp_patches.optim:
 
 * ``BaseTrainer.__init__``: ``validate_fp32_main_params_config`` before any model is built;
 * ``BaseTrainer._build_optimizer``: wrap the built optimizer in ``MainParamsOptimizer``;
-* ``BaseTrainer.save_checkpoint``/``load_checkpoint`` (optional targets): DCP with the fp32 main
-  params and the RFC 001 load branches (docs/hyper_parallel.md#rfc-001-9-checkpoints).
+* ``BaseTrainer.save_checkpoint``/``load_checkpoint`` (optional targets): one DCP save in the layout
+  hyper-parallel's own wrapper and DCP checkpointer write (the RFC section, FQN-keyed state flattened as
+  its ``ChainedOptimizer`` flattens Muon + AdamW), so a run resumes under upstream's wrapper exactly;
+  loading reads that layout and torch's, with the RFC 001 load branches
+  (docs/hyper_parallel.md#rfc-001-9-checkpoints, docs/main_params.md).
 
 It stands down where the upstream wrapper module exists. torch and the optim package are imported
 inside the replacements only (the hook fires right after the trainer module is imported).
@@ -67,8 +70,8 @@ def _build_optimizer(original):
 def _routes_to_dcp(trainer) -> bool:
     """Our DCP checkpoint for a wrapped optimizer over torch-DTensor/plain params. A model of hyper
     DTensors stays on the trainer's own (hyper) checkpointer, which serializes the wrapper's
-    ``state_dict`` (main params in the RFC section, which upstream's wrapper reads too;
-    docs/main_params.md §2.1); torch DCP cannot shard hyper DTensors."""
+    ``state_dict`` (upstream's own layout there, docs/main_params.md §2.1); torch DCP cannot shard
+    hyper DTensors."""
     from npu_fsdp_patches.optim import MainParamsOptimizer
     from npu_fsdp_patches.optim.tensors import is_foreign_dtensor
     return (isinstance(trainer.optimizer, MainParamsOptimizer)
@@ -80,7 +83,7 @@ def _save_checkpoint(original):
         if not _routes_to_dcp(self):
             return original(self, path, *args, **kwargs)
         from npu_fsdp_patches.optim import save_checkpoint as save
-        return save(path, self.model, self.optimizer)
+        return save(path, self.model, self.optimizer, layout="upstream")   # what upstream's wrapper reads
     return save_checkpoint
 
 
@@ -99,7 +102,9 @@ class HpFp32MainParams(Patch):
     it reads `p.main_grad` when hyper writes one. At `hyper_parallel.trainer.base` (or the older
     `hyper_parallel.auto_models.trainer.base`), `BaseTrainer.__init__` validates the config before any
     model is built, `_build_optimizer` wraps the optimizer when `optimizer.fp32_main_params` is true,
-    and the trainer's checkpoint save/load go through `save_checkpoint`/`load_checkpoint`."""
+    and the trainer's checkpoint save/load go through `save_checkpoint` (in the layout hyper-parallel's
+    own wrapper and DCP checkpointer write, so upstream's wrapper resumes it exactly) and
+    `load_checkpoint` (either layout)."""
 
     name = "hp_fp32_main_params"
     factories = {"__init__": _init, "_build_optimizer": _build_optimizer,

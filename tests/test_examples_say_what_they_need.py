@@ -1,6 +1,7 @@
 """An example whose requirement is missing exits 2 at once with one line saying what it needs (README
 'Quickstart per stack'), never a rank traceback: numpy (torch's CPU wheel does not bring it; DCP needs
-it) for the examples that checkpoint, veomni for veomni_main_params.py, torch_npu for ``--device npu``
+it) for the examples that checkpoint, veomni for veomni_main_params.py, hyper-parallel for
+hyper_parallel_main_params.py, torchtitan for torchtitan_main_params.py, torch_npu for ``--device npu``
 (the README's own command line), a GPU for ``--device cuda``. The check comes before the process
 group, so a plain ``python`` run shows it."""
 import os
@@ -40,8 +41,18 @@ def run_hiding(tmp_path, script: str, *hidden: str, device: str = "cpu") -> subp
     ("veomni_main_params.py", ("numpy",), "veomni_main_params.py needs numpy ("),
     ("veomni_main_params.py", ("veomni",),
      "veomni_main_params.py needs veomni (0.1.4 or later: its build_optimizer and checkpointer): install it "
-     "as CI does, veomni==0.1.12 with its pins (.ci/steps/40-veomni.sh). Importing it failed: "
-     "ModuleNotFoundError: No module named 'veomni'"),
+     "with the Install block of docs/integrations/veomni.md (veomni==0.1.12, transformers==5.18.0 without its "
+     "deps, no torchvision). Importing it failed: ModuleNotFoundError: No module named 'veomni'"),
+    ("hyper_parallel_main_params.py", ("hyper_parallel",),
+     "hyper_parallel_main_params.py needs hyper_parallel.core.fully_shard.api (its fully_shard): put a "
+     "hyper-parallel source checkout on PYTHONPATH with HYPER_PARALLEL_PLATFORM=torch "
+     "(docs/integrations/hyper_parallel.md). Importing it failed: ModuleNotFoundError: "),
+    ("torchtitan_main_params.py", ("numpy",), "torchtitan_main_params.py needs numpy ("),
+    ("torchtitan_main_params.py", ("torchtitan",),
+     "torchtitan_main_params.py needs torchtitan.components.optimizer (torchtitan 0.3.0's OptimizersContainer "
+     "and CheckpointManager, on torch >= 2.10): install it as docs/integrations/torchtitan.md says, "
+     "`pip install torchtitan==0.3.0`. "
+     "Importing it failed: ModuleNotFoundError: No module named 'torchtitan'"),
 ])
 def test_a_missing_requirement_is_one_line_and_exit_2(tmp_path, script, hidden, line):
     proc = run_hiding(tmp_path, script, *hidden)

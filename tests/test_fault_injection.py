@@ -127,13 +127,13 @@ def _set_optimizer_state_dict(h):
     set_optimizer_state_dict(h["model"], h["wrapper"], h["state_dict"])
 
 
-def _checkpoint(tmp, dtype=torch.bfloat16):
+def _checkpoint(tmp, dtype=torch.bfloat16, layout="torch"):
     def setup():
         model, chain, wrapper = _trained(seed=0, dtype=dtype)
-        path = str(tmp / "ckpt")
-        if not (tmp / "ckpt").exists():
+        path = str(tmp / f"ckpt_{layout}")
+        if not (tmp / f"ckpt_{layout}").exists():
             other_model, _, other = _trained(seed=1, steps=2)
-            save_checkpoint(path, other_model, other)
+            save_checkpoint(path, other_model, other, layout=layout)
         return {"model": model, "optimizer": chain, "wrapper": wrapper, "checkpoint": path}
     return setup
 
@@ -174,13 +174,18 @@ def _into_fp32_model():
             "state_dict": copy.deepcopy(other.state_dict())}
 
 
-def _reordered():
-    """A wrapper over a model declaring its params in another order than the saved run's."""
-    model, chain, wrapper = _trained(seed=0)
-    sd = copy.deepcopy(_trained(seed=1, steps=2)[2].state_dict())
-    group = sd["param_groups"][0]
-    group["params"] = group["params"][::-1]
-    return {"model": model, "optimizer": chain, "wrapper": wrapper, "state_dict": sd}
+def _reordered(named):
+    """A wrapper over a model declaring its params in another order than the saved run's; with
+    ``named`` the state dict keeps its RFC section, whose names load it by name (else: refused)."""
+    def setup():
+        model, chain, wrapper = _trained(seed=0)
+        sd = copy.deepcopy(_trained(seed=1, steps=2)[2].state_dict())
+        group = sd["param_groups"][0]
+        group["params"] = group["params"][::-1]
+        if not named:
+            del sd["_mixed_precision_optimizer"]
+        return {"model": model, "optimizer": chain, "wrapper": wrapper, "state_dict": sd}
+    return setup
 
 
 def _wrap(h):
@@ -212,10 +217,12 @@ def entries(tmp):
         Entry("load_state_dict: 2nd main_param wrong shape", lambda: _loaded(_second_main_param_wrong_shape),
               _load, ValueError),
         Entry("load_state_dict: bf16 run into an fp32 model", _into_fp32_model, _load),
-        Entry("load_state_dict: another param order", _reordered, _load, ValueError),
+        Entry("load_state_dict: another param order", _reordered(False), _load, ValueError),
+        Entry("load_state_dict: another param order, named by the section", _reordered(True), _load),
         Entry("set_optimizer_state_dict (torch API)", _torch_api, _set_optimizer_state_dict),
         Entry("load_checkpoint", _checkpoint(tmp), _load_checkpoint),
         Entry("load_checkpoint: bf16 run into an fp32 model", _checkpoint(tmp, torch.float32), _load_checkpoint),
+        Entry("load_checkpoint: upstream's layout", _checkpoint(tmp, layout="upstream"), _load_checkpoint),
         Entry("FusedAdam.load_state_dict", _fused_load, lambda h: h["optimizer"].load_state_dict(h["state_dict"])),
         Entry("FusedAdam.step: float64 param", _fused_bad_dtype(torch.float64),
               lambda h: h["optimizer"].step(), RuntimeError),

@@ -9,7 +9,10 @@ position or by keyword. Child: tests/children/hp_args_lineage.py.
 """
 import pytest
 
-from tests.support import run_case
+from tests.distributed import launch_once, run_ranks
+from tests.multirank import hp_args_recipe_cases as recipe
+from tests.support import assert_check, install_fixture, run_case
+from tests.torch_versions import needs_fsdp2_on_cpu
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +37,19 @@ def test_the_trainer_runs_unwrapped_by_position_and_by_keyword(outcome):
         assert step["optimizer"] == "AdamW"           # never wrapped, never an AttributeError
         assert step["foreach"] == [False, False]      # args.train.optimizer.foreach reaches torch
         assert step["moved"] is True
+
+
+@launch_once
+def _recipe(tmp):
+    from pathlib import Path
+    site = install_fixture("hyper_parallel_args", Path(tmp) / "site")
+    return run_ranks("tests.multirank.hp_args_recipe_cases:two_ranks", 2, args={"tmp": tmp}, timeout=300,
+                     env={"PYTHONPATH": str(site), "NPU_FSDP_PATCHES_ENABLE": "hp_fp32_main_params"})
+
+
+@needs_fsdp2_on_cpu
+@pytest.mark.parametrize("check", recipe.CHECKS)
+def test_wrapping_by_hand_on_the_args_lineage(tmp_path_factory, check):
+    """docs/main_params.md#8's recipe on 2 ranks, bf16 fully_shard: it wraps the base's AdamW, steps as
+    hyper-parallel's own fp32 wrapper does (bitwise), keeps updates below a bf16 ulp, resumes exactly."""
+    assert_check(_recipe(str(tmp_path_factory.getbasetemp() / "args_recipe")), check, recipe.CHECKS)

@@ -32,11 +32,14 @@ DTYPES = {"a": torch.bfloat16, "w": torch.bfloat16, "v": torch.float32}
                                     {"a": (3,), "w": (3,), "v": (3,)}],       # only main params tell
                          ids=["shapes differ", "same shapes"])
 def test_another_param_order_is_named_as_such(shapes):
+    """Without the RFC section (which names the bf16 params, see the next tests) saved params map by
+    position, and an order that does not fit is refused as such."""
     _, saved = _wrapped("awv", DTYPES, shapes)
     module, target = _wrapped("avw", DTYPES, shapes, seed=1)
     before = copy.deepcopy(target.state_dict())
+    unnamed = {k: v for k, v in copy.deepcopy(saved.state_dict()).items() if k != "_mixed_precision_optimizer"}
     with pytest.raises(ValueError, match="another order") as info:
-        target.load_state_dict(copy.deepcopy(saved.state_dict()))
+        target.load_state_dict(unnamed)
     assert "incomplete" not in str(info.value)
     assert "'v'" in str(info.value) or "'w'" in str(info.value)
     after = target.state_dict()
@@ -112,3 +115,74 @@ def test_fused_adam_refuses_unsteppable_dtypes_before_any_write(dtype):
         opt.step()
     assert opt.param_groups[0]["step"] == 0 and not opt.state
     assert torch.equal(good, torch.ones(3))
+
+
+@pytest.mark.parametrize("shapes", [{"a": (4, 3), "w": (5,), "v": (2, 2)}, {"a": (3,), "w": (3,), "v": (3,)}],
+                         ids=["shapes differ", "same shapes"])
+def test_with_the_rfc_section_another_param_order_loads_by_name(shapes):
+    src_module, saved = _wrapped("awv", DTYPES, shapes)
+    module, target = _wrapped("avw", DTYPES, shapes, seed=1)
+    target.load_state_dict(copy.deepcopy(saved.state_dict()))
+    module.load_state_dict(src_module.state_dict())
+    _assert_loaded_by_name(src_module, saved, module, target, "awv")
+
+
+def _assert_loaded_by_name(src_module, saved, module, target, names):
+    for name in names:
+        src, dst = getattr(src_module, name), getattr(module, name)
+        assert torch.equal(dst.main_param, src.main_param), f"{name}: main param of another param"
+        assert torch.equal(target.state[dst]["exp_avg"], saved.state[src]["exp_avg"]), f"{name}: moments"
+        assert torch.equal(dst, src), f"{name}: model param not the cast main param"
+
+
+@pytest.mark.parametrize("via", ["memory", "torch.save"])
+def test_same_shape_params_declared_in_another_order_load_by_the_sections_names(tmp_path, via):
+    """Issue 42: state_dict() names every bf16 param in its _mixed_precision_optimizer section, so a
+    model declaring same-shape params in another order gets each param's own moments and main param
+    (it got its neighbour's, silently, when loads went by position)."""
+    dtypes = {"a": torch.bfloat16, "b": torch.bfloat16, "v": torch.float32}
+    shapes = {"a": (3, 4), "b": (3, 4), "v": (2,)}
+    src_module, saved = _wrapped("abv", dtypes, shapes)
+    module, target = _wrapped("bav", dtypes, shapes, seed=1)
+    sd = saved.state_dict()
+    if via == "torch.save":
+        torch.save(sd, tmp_path / "opt.pt")
+        sd = torch.load(tmp_path / "opt.pt", weights_only=True)
+    target.load_state_dict(sd)
+    module.load_state_dict({n: p for n, p in src_module.state_dict().items()})
+    _assert_loaded_by_name(src_module, saved, module, target, "abv")
+
+
+def test_names_cannot_place_two_unnamed_params_so_the_load_is_refused():
+    """The section names bf16 params only: when names show another order and two fp32 params are left
+    unnamed, their order cannot be told, and the load is refused naming them before any write."""
+    dtypes = {"a": torch.bfloat16, "b": torch.bfloat16, "u": torch.float32, "v": torch.float32}
+    shapes = {"a": (3,), "b": (3,), "u": (3,), "v": (3,)}
+    _, saved = _wrapped("abuv", dtypes, shapes)
+    module, target = _wrapped("bavu", dtypes, shapes, seed=1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=r"'u'.*'v'|'v'.*'u'") as info:
+        target.load_state_dict(saved.state_dict())
+    assert "Nothing was loaded" in str(info.value)
+    after = target.state_dict()
+    for k, entry in before["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after["state"][k][name]), (k, name)
+
+
+def test_a_param_without_optimizer_state_is_no_missing_main_param(tmp_path):
+    """torch's layout stores ``main_param`` with a param's optimizer state: a bf16 param that never got a
+    grad (an unused expert) has neither, so such a checkpoint must load (it was refused as partial). Written
+    by hand: older torch's get_optimizer_state_dict cannot serve an optimizer whose state is partial."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    module, wrapper = _wrapped("aw", DTYPES, {"a": (4, 3), "w": (5,)})
+    osd = get_optimizer_state_dict(module, wrapper)
+    del osd["state"]["w"]   # as saved while w had no state
+    dcp.save({"model": module.state_dict(), "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    target_module, target = _wrapped("aw", DTYPES, {"a": (4, 3), "w": (5,)}, seed=1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(process group|ProcessGroup).*")
+        assert load_checkpoint(str(tmp_path / "ck"), target_module, target) == "main_params"
+    assert torch.equal(target_module.a.main_param, module.a.main_param)
+    assert torch.equal(target_module.w.main_param, module.w.float())

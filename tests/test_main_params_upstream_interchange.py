@@ -7,6 +7,9 @@ code: tests/multirank/upstream_interchange_cases.py. One launch serves every tes
 import pytest
 
 from tests.distributed import launch_once, run_ranks
+from tests.torch_versions import needs_fsdp2_on_cpu
+
+pytestmark = needs_fsdp2_on_cpu   # the ranks train fully_shard models
 
 
 @launch_once
@@ -21,7 +24,8 @@ def results(tmp_path_factory):
 
 
 def test_rfc_section_on_state_dict_covers_the_bf16_params_once(results):
-    """§2.2 section = every bf16 param, fp32, the main params themselves; §2.3 empty for fp32;
+    """RFC 001 2.2 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001): the section = every bf16 param, fp32,
+    the main params themselves; 2.3: empty for fp32;
     torch's API and torch.save store each main param once; a partial section is refused."""
     for rank in results:
         rfc = rank["rfc"]

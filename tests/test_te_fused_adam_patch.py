@@ -78,10 +78,11 @@ from transformer_engine.pytorch.optimizers import FusedAdam
 from transformer_engine.pytorch.optimizers import _nvte_fused_adam as nvte
 assert FusedAdam.__mro__[1] is nvte.FusedAdam
 args = lambda f: [(a.name, a.kind, a.default) for a in inspect.signature(f).parameters.values()]
-assert args(FusedAdam.__init__) == args(nvte.FusedAdam.__init__)  # RFC 3.5.2.1: NVTE's constructor
+assert args(FusedAdam.__init__) == args(nvte.FusedAdam.__init__)  # TENPU RFC #43 3.5.2.1: NVTE's constructor
 for name in ("set_scaled_state", "state_dict", "load_state_dict", "zero_grad"):
     assert name not in vars(FusedAdam), name  # NVTE's own code
-# the overlay: RFC 3.3.10 (signatures), 3.3.1 (unsupported options), 3.3.5 (fp16 scale), 3.3.6 (kernel)
+# the overlay, TENPU RFC #43 (docs/te_fused_adam.md#3-tenpu-rfc-43): 3.3.10 (signatures),
+# 3.3.1 (unsupported options), 3.3.5 (fp16 scale), 3.3.6 (kernel)
 assert str(inspect.signature(FusedAdam.initialize_state)) == "(self, param, store_param_remainders=None) -> None"
 assert str(inspect.signature(nvte.FusedAdam.initialize_state)) == "(self, param, store_param_remainders)"
 assert "skip_unscale" in str(inspect.signature(nvte.FusedAdam.get_unscaled_state))
@@ -105,7 +106,7 @@ e.grad = torch.zeros(0)
 try:
     FusedAdam([e], exp_avg_dtype=torch.float16).step()
 except RuntimeError:
-    pass  # abs().max() of an empty state (RFC 1.2), what TENPU's fix adds a branch for
+    pass  # abs().max() of an empty state (TENPU RFC #43 1.2), what TENPU's fix adds a branch for
 else:
     raise AssertionError("empty fp16 state scaled")
 gen = torch.Generator().manual_seed(0)

@@ -13,7 +13,8 @@
 # the generated cases (Hypothesis, issue 29): on the minors where torch's optimizers change, not on each
 # (CI time). EDGE_TORCH (the oldest and the newest) add the COMPILED list.
 # The plugin-core, doctor, CLI and packaging files do not depend on the torch release and run on 2.13.0
-# only; .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
+# only, except the checkpoint command, which reads DCP's metadata types (FULL; its released-layout
+# fixtures load on LEAN); .ci/extra/older-torch.sh runs the whole suite on each older torch by hand.
 # Per version: wait for .ci/older-torch-wheels.sh (started in the background by .ci/run; run here in the
 # foreground when the step runs on its own), install the registry's wheels offline into .ci/venvs/torch-<v>
 # (a torch above the pip cap is installed there by that script, in its one registry call), run pytest,
@@ -43,6 +44,7 @@ LEAN=(
     "tests/test_te_real.py::test_fp8_states_are_scaled_bit_for_bit_as_te_except_all_zero[2.14.0]"
     tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py
     "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
+    tests/test_checkpoint_layouts.py
 )
 # LEAN leaves out what does not depend on the torch release: the stand-down probes, the veomni capture
 # order, the TENPU overlay's file check, the auto_models trainer path, the unverified-metadata doctor case
@@ -65,6 +67,8 @@ FULL=(
     tests/test_main_params_example.py tests/test_example_fsdp2_fused_adam.py
     tests/test_example_fsdp2_vs_foreach_adamw.py tests/test_te_cpu_kernels.py
     tests/test_megatron_initialize_state.py tests/test_generated_cases.py
+    tests/test_rebuild_main_params_planner.py
+    tests/cli/test_checkpoint_command.py
 )
 
 # EDGE_TORCH (the oldest and the newest) add the compiled steps (issue 33; with the README's 2.13.0, three

@@ -1,4 +1,5 @@
-"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test, report.
+"""``npu-fsdp-patches`` / ``python -m npu_fsdp_patches``: doctor, explain NAME, list, self-test, report,
+checkpoint PATH.
 
 Exit codes and JSON schemas: docs/cli.md. No command ends in a traceback (output_guard).
 """
@@ -12,7 +13,7 @@ from .. import __version__, selftest
 from ..plan import loader
 from ..plan.settings import ENV_VARS
 from ..runtime.facade import RUNTIME
-from . import report
+from . import checkpoint, report
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .output_guard import guarded
 from .render import doctor_text, explain_text, gate_data, list_text, unknown_patch_message
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         "self-test", help="run every enabled patch's checks on this machine's devices, backend and ranks"))
     report.add_arguments(sub.add_parser(
         "report", help="write a bug report (OUTPUT.json and OUTPUT.md): doctor, self-test, OS, Ascend stack"))
+    checkpoint.add_arguments(sub.add_parser(
+        "checkpoint", help="a checkpoint's layout, its fp32 main params and what each loader will do with it; "
+                           "--convert-to upstream|torch OUT"))
     return parser
 
 
@@ -88,6 +92,8 @@ def _run(argv: list | None) -> int:
         return selftest.main(args)
     if command == "report":
         return report.main(args)
+    if command == "checkpoint":
+        return checkpoint.main(args)
     as_json = getattr(args, "json", False)
     if command == "doctor":
         return _doctor(args, as_json)

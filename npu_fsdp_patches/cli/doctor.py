@@ -17,12 +17,13 @@ import traceback
 from typing import Mapping
 
 from .. import __version__
-from ..plan.detect import detect_framework, distribution_index
+from ..plan.detect import detect_framework, distribution_index, normalize
 from ..plan.matrix import FrameworkSpec
 from ..plan.settings import PREFIX, strict_requested
 from ..plan.torch_support import torch_findings
 from ..runtime.facade import RUNTIME
 from ..runtime.snapshot import RuntimeSnapshot
+from .detection_env import detection_environment
 
 # The platform doctor always reports, whether or not the matrix names it (docs/design.md#35-status-and-doctor).
 _TORCH_NPU = FrameworkSpec("torch_npu", ("torch-npu",), "torch_npu")
@@ -188,11 +189,12 @@ def _gated_on(snap: RuntimeSnapshot) -> set:
     return names
 
 
-def import_frameworks(snap: RuntimeSnapshot) -> dict:
+def import_frameworks(snap: RuntimeSnapshot, every: bool = False) -> dict:
     """framework -> None (imports) or why it cannot be imported, for every framework an enabled patch
-    gates on and every meta package found without its part; imported in one child interpreter, so a
-    framework that crashes the interpreter is reported, never fatal. torch and torch_npu have their own
-    probes. A framework no enabled patch needs is not imported (its row stays metadata only)."""
+    gates on (``every``: every installed framework, as ``--import`` asks) and every meta package found
+    without its part; imported in one child interpreter, so a framework that crashes the interpreter is
+    reported, never fatal. torch and torch_npu have their own probes. Otherwise a framework no enabled
+    patch needs is not imported (its row stays metadata only)."""
     if snap.matrix is None:
         return {}
     wanted, modules = _gated_on(snap), {}
@@ -200,7 +202,7 @@ def import_frameworks(snap: RuntimeSnapshot) -> dict:
         spec = snap.matrix.frameworks.get(name)
         if spec is None or not spec.module or name in (_TORCH.name, _TORCH_NPU.name):
             continue
-        if found.source == "meta package only" or (found.installed and name in wanted):
+        if found.source == "meta package only" or (found.installed and (every or name in wanted)):
             modules[name] = spec.module
     if not modules:
         return {}
@@ -210,15 +212,26 @@ def import_frameworks(snap: RuntimeSnapshot) -> dict:
     return {name: _first_and_root(causes) if causes else None for name, causes in result.items()}
 
 
+def dependency_versions(matrix, name: str) -> dict:
+    """distribution -> installed version (None: not installed) of what framework ``name`` depends on."""
+    spec = matrix.frameworks.get(name) if matrix is not None else None
+    if spec is None or not spec.depends_on:
+        return {}
+    index = distribution_index()
+    return {dist: (index[normalize(dist)].version if normalize(dist) in index else None)
+            for dist in spec.depends_on}
+
+
 def framework_errors(frameworks: dict, matrix, records: list = ()) -> list:
-    """An error for each framework that is installed but cannot be imported, with the next step. The
-    enabled patches whose gate names it are named: one whose targets are elsewhere (in torch) may still
-    apply, yet cannot take effect in a job that cannot import the framework."""
+    """An error for each framework that is installed but cannot be imported, with the next step and the
+    versions of what it depends on (the matrix's ``depends_on``: what usually broke it). The enabled
+    patches whose gate names it are named: one whose targets are elsewhere (in torch) may still apply,
+    yet cannot take effect in a job that cannot import the framework."""
     out = []
     enabled = [r["name"] for r in records if r["decision"] == "enabled" and r["name"] in matrix.patches]
     for name, fw in frameworks.items():
-        if fw.get("importable") is not False:
-            continue
+        if fw.get("importable") is not False or name in (_TORCH.name, _TORCH_NPU.name):
+            continue   # torch's and torch_npu's own findings say it (environment_errors, _warnings)
         what = f"{fw['distribution'] or name} {fw['version'] or '(unknown version)'}"
         reason = fw["import_error"] or "unknown"
         if fw["source"] == "meta package only" and fw.get("note"):
@@ -229,9 +242,11 @@ def framework_errors(frameworks: dict, matrix, records: list = ()) -> list:
                  if any(cond.framework == name for alt in matrix.patches[patch].gate for cond in alt)]
         effect = (f"{', '.join(gated)} {'is' if len(gated) == 1 else 'are'} enabled for it but cannot take "
                   "effect" if gated else "No patch that needs it can apply")
-        out.append(f"{name}: {what} is installed but not importable: {reason}. {effect}. Next step: make "
-                   f"`import {module}` work in this Python (install what the error names) and run doctor "
-                   "again")
+        deps = [f"{dist} {version or 'not installed'}" for dist, version in (fw.get("depends_on") or {}).items()]
+        here = f" (what it depends on, here: {', '.join(deps)})" if deps else ""
+        out.append(f"{name}: {what} is installed but not importable: {reason}. {effect}; a job that imports "
+                   f"it fails the same way. Next step: make `import {module}` work in this Python{here} "
+                   "(install what the error names) and run doctor again")
     return out
 
 
@@ -265,7 +280,7 @@ def import_targets() -> list:
     A patch still pending after one of its target modules raised (it is there, but its import fails:
     a framework that cannot be imported) cannot apply in this environment: it is failed with that
     error. A target module that is not there leaves the patch pending (``not found``, a warning)."""
-    errors, failed = [], {}
+    errors, failed, absent = [], {}, {}
     snap = RUNTIME.snapshot()
     for record in snap.records:
         if record["decision"] != "enabled":
@@ -278,12 +293,28 @@ def import_targets() -> list:
                 importlib.import_module(module)
             except Exception as exc:  # noqa: BLE001 - reported, never fatal
                 error = _import_error(module, exc, optional)
+                if error is None or error.endswith(": not found"):
+                    absent.setdefault(record["name"], []).append(module)
                 if error:
                     errors.append(error)
                     if not error.endswith(": not found"):   # it is there, and raises
                         failed.setdefault(record["name"], error)
     for name, error in failed.items():
         RUNTIME.target_import_failed(name, f"target not importable: {error}")
+    return _explain_pending(errors, absent, snap.matrix)
+
+
+def _explain_pending(errors: list, absent: dict, matrix) -> list:
+    """A patch that no target module of exists for stays pending for good in this environment: one
+    warning says so, in place of its bare "import X: not found" lines (an installed framework without the
+    patched part, e.g. a build without the class the patch targets)."""
+    pending = {r["name"] for r in RUNTIME.status() if r["state"] == "pending"}
+    for name, modules in absent.items():
+        if name not in pending or set(modules) != set(matrix.patches[name].target_modules):
+            continue
+        errors = [e for e in errors if e not in {f"import {m}: not found" for m in modules}]
+        errors.append(f"{name} stays pending: none of its target modules is in this Python ({', '.join(modules)} "
+                      "not found), so nothing here can apply it; it applies in a job that imports one of them")
     return errors
 
 
@@ -299,13 +330,14 @@ def warnings_for(records: list) -> list:
     for r in records:
         if r["decision"] == "enabled" and r["unverified"]:
             out.append(f"{r['name']}: {', '.join(r['unverified'])} in range but not verified by the test suite")
+        # a target imported before activation is harmless once every copy is patched (hyper-parallel
+        # imports torch.optim first for every user): only a module still holding an original is worth a word
         modules = r["imported_before_activation"]
-        if modules:
-            holders = sorted({m for refs in r["stale_refs"].values() for m in refs})
-            text = (f"{r['name']}: {', '.join(modules)} {'was' if len(modules) == 1 else 'were'} imported "
-                    "before npu_fsdp_patches activated")
-            out.append(text + (f"; stale references to the unpatched objects in: {', '.join(holders)}"
-                               if holders else "; no module holds a stale reference"))
+        holders = sorted({m for refs in r["stale_refs"].values() for m in refs})
+        if modules and holders:
+            out.append(f"{r['name']}: {', '.join(modules)} {'was' if len(modules) == 1 else 'were'} imported "
+                       f"before npu_fsdp_patches activated; stale references to the unpatched objects in: "
+                       f"{', '.join(holders)}")
     return out
 
 
@@ -354,11 +386,14 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
     failed_with = [r["error"] for r in records if r["state"] == "failed" and r["error"]]
     import_errors = [e for e in import_errors if not any(e in why for why in failed_with)]
     code_errors, code_warnings = code_findings(snap)
-    frameworks = {n: {**d.as_dict(), "importable": None, "import_error": None}
+    env["detection"] = detection_environment(snap.matrix, [n for n, d in snap.frameworks.items() if d.installed])
+    frameworks = {n: {**d.as_dict(), "importable": None, "import_error": None,
+                      "depends_on": dependency_versions(snap.matrix, n)}
                   for n, d in snap.frameworks.items()}
     # where `import torch` fails, every framework fails with it: the torch finding says it once
-    for name, why in (import_frameworks(snap) if env["device_error"] is None else {}).items():
+    for name, why in (import_frameworks(snap, every=try_import) if env["device_error"] is None else {}).items():
         frameworks[name].update(importable=why is None, import_error=why)
+    _platform_rows(frameworks, env)
     broken = {name for name, fw in frameworks.items() if fw["importable"] is False}
     report = {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
@@ -385,6 +420,16 @@ def collect(*, try_import: bool = False, self_test: bool = False) -> dict:
     report["exit_code"] = (EXIT_BAD_CONFIG if snap.config_error else
                            EXIT_PATCH_FAILED if failed else EXIT_OK)
     return report
+
+
+def _platform_rows(frameworks: dict, env: dict) -> None:
+    """torch's and torch_npu's rows say what their own probes found, so the sections agree."""
+    probed = {_TORCH.name: (env["device_error"] is None, env["device_error"]),
+              _TORCH_NPU.name: (env["torch_npu"]["importable"], env["torch_npu"]["import_error"])}
+    for name, (importable, error) in probed.items():
+        row = frameworks.get(name)
+        if row is not None and row["installed"] and importable is not None:
+            row.update(importable=importable, import_error=error)
 
 
 def _warnings(snap: RuntimeSnapshot, records: list, env: dict, broken: set) -> list:

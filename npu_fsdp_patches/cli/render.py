@@ -126,7 +126,19 @@ def _environment(report: dict) -> list:
         torch_text += f" (import fails: {_see(report, 'Warnings', env['device_error'])})"
     return (["", "Environment"] + _row("  python      ", f"{env['python']} ({env['platform']})")
             + _row("  torch       ", torch_text) + _row("  torch_npu   ", npu_text)
-            + _row("  device      ", env["device"] or "-"))
+            + _row("  device      ", env["device"] or "-") + _detection(env.get("detection") or {}))
+
+
+def _detection(detection: dict) -> list:
+    """What decides detection: each PYTHONPATH entry (a checkout's git id) and each variable the matrix's
+    frameworks declare, set or not."""
+    lines = []
+    for entry in detection.get("pythonpath") or []:
+        text = entry["path"] + (f" ({entry['git']})" if entry.get("git") else "")
+        lines += _value("  PYTHONPATH  ", text + ("" if entry.get("exists") else " (not a folder)"))
+    for name, value in (detection.get("variables") or {}).items():
+        lines += _row("  variable    ", f"{name}={value}" if value is not None else f"{name} unset")
+    return lines
 
 
 def doctor_text(report: dict) -> str:

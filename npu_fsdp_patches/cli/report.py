@@ -22,7 +22,7 @@ from . import report_env
 from .doctor import collect, interpreter_command, user_environment
 from .render import doctor_text
 
-SCHEMA, SCHEMA_VERSION = "npu-fsdp-patches/report", 1
+SCHEMA, SCHEMA_VERSION = "npu-fsdp-patches/report", 2
 DEFAULT_OUTPUT = "npu-fsdp-patches-report"
 DEFAULT_SELF_TEST_TIMEOUT_S = 900.0
 EXIT_WRITTEN, EXIT_CANNOT_WRITE = 0, 2
@@ -61,10 +61,11 @@ def progress(line: str) -> None:
 
 
 def collect_report(self_test: bool, self_test_timeout: float, say=progress) -> dict:
-    say("[1/4] doctor --import (imports the enabled patches' targets in a child) ...")
+    say("[1/4] doctor --import (imports every installed framework and the enabled patches' targets in children) ...")
     doctor = collect(try_import=True)
     say("[2/4] system and packages ...")
-    system, packages = report_env.system(), report_env.packages()
+    system = report_env.system()
+    packages = report_env.packages(doctor["frameworks"], _matrix())
     say(f"[3/4] Ascend facts: CANN toolkit, NPU driver, npu-smi (up to {report_env.NPU_SMI_TIMEOUT_S:g} s) ...")
     ascend = report_env.ascend()
     if self_test:
@@ -77,6 +78,12 @@ def collect_report(self_test: bool, self_test_timeout: float, say=progress) -> d
                           else {"skipped": "--no-self-test was given"})}
 
 
+def _matrix():
+    """The matrix doctor read (its frameworks' distributions and dependencies), or None."""
+    from ..runtime.facade import RUNTIME
+    return RUNTIME.snapshot().matrix
+
+
 def _ascend_rows(ascend: dict) -> list:
     smi = ascend["npu_smi"]
     if smi["status"] == "ok":
@@ -86,6 +93,29 @@ def _ascend_rows(ascend: dict) -> list:
         npus = f"npu-smi: {smi['status']}"
     return [("CANN toolkit", ascend["cann_toolkit"]["version"]), ("NPU driver", ascend["driver"]["version"]),
             ("NPUs", npus)]
+
+
+def _package_row(name: str, row: dict) -> str:
+    """One Packages row: where it was found (metadata, or the source tree doctor found), and its role:
+    a framework (with whether it imports) or what needs it."""
+    found = row["found"] if row["found"] in ("metadata", report_env.NOT_FOUND) else \
+        f"{row['found']}: {row['location']}"
+    if row["framework"]:
+        role = f"framework {row['framework']}" + {True: ", imports", False: ", **does not import** (see Doctor)",
+                                                  None: ""}[row["importable"]]
+    else:
+        role = f"needed by {', '.join(row['needed_by'])}" if row["needed_by"] else ""
+    return f"| {name} | {row['version'] or '-'} | {found} | {role} |"
+
+
+def _detection_md(detection: dict) -> list:
+    """What decides detection: PYTHONPATH entries (a checkout's git id) and the frameworks' variables."""
+    rows = [(f"PYTHONPATH[{i}]", e["path"] + (f" ({e['git']})" if e.get("git") else "")
+             + ("" if e.get("exists") else " (not a folder)")) for i, e in enumerate(detection.get("pythonpath") or [])]
+    rows += [(name, "unset" if value is None else value) for name, value in (detection.get("variables") or {}).items()]
+    if not rows:
+        return ["", "Detection environment: PYTHONPATH unset; no framework variable applies."]
+    return ["", "### Detection environment", "", "| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
 
 
 def _self_test_md(result: dict) -> list:
@@ -120,8 +150,9 @@ def markdown(report: dict, json_name: str) -> str:
     rows += _ascend_rows(report["ascend"])
     lines = ["## npu-fsdp-patches report", "", "| | |", "| --- | --- |"]
     lines += [f"| {key} | {value} |" for key, value in rows]
-    lines += ["", "### Packages", "", "| package | version |", "| --- | --- |"]
-    lines += [f"| {name} | {version} |" for name, version in report["packages"].items()]
+    lines += ["", "### Packages", "", "| package | version | found | role |", "| --- | --- | --- | --- |"]
+    lines += [_package_row(name, row) for name, row in report["packages"].items()]
+    lines += _detection_md(report["doctor"]["environment"].get("detection") or {})
     lines += ["", f"### Doctor (exit code {report['doctor']['exit_code']})", "", "```text",
               doctor_text(report["doctor"]), "```", "", "### Self-test", ""] + _self_test_md(report["self_test"])
     lines += ["", f"Full data: `{json_name}` (schema {SCHEMA} {SCHEMA_VERSION})."]

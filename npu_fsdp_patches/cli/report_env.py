@@ -24,10 +24,9 @@ from ..plan.detect import distribution_index, normalize
 
 NOT_FOUND = "not found"
 ASCEND_ROOT = "/usr/local/Ascend"
-#: the distributions of the training stack this plugin patches, in report order
-STACK = ("npu-fsdp-patches", "torch", "torch-npu", "transformer-engine", "transformer-engine-torch",
-         "transformer-engine-npu", "megatron-core", "mindspeed", "hyper-parallel", "veomni", "numpy",
-         "wrapt", "pyyaml", "packaging")
+#: the plugin and what it (and its self-test) runs on; the frameworks and theirs come from the matrix
+PLUGIN = "npu-fsdp-patches"
+PLUGIN_PACKAGES = ("numpy", "wrapt", "pyyaml", "packaging")
 NPU_SMI_TIMEOUT_S = 20
 
 
@@ -46,11 +45,41 @@ def system() -> dict:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def packages() -> dict:
-    """name -> installed version (or "not found") of each distribution of the stack, from metadata."""
+def packages(frameworks: dict, matrix) -> dict:
+    """package -> {version, found, location, framework, needed_by, importable, import_error}, in report order:
+    the plugin, then each framework of the matrix with what it depends on (its ``depends_on``), then the
+    plugin's own packages. ``frameworks`` is doctor's section, so both sections tell one story: a framework
+    that detection found in a source tree (no distribution metadata) is a row ``found`` there, never
+    "not found"; ``importable`` is what doctor's import found (None: not imported)."""
     index = distribution_index()
-    return {name: (index[normalize(name)].version if normalize(name) in index else NOT_FOUND)
-            for name in STACK}
+    rows: dict = {}
+
+    def add(name: str, needed_by: str | None = None, **fields) -> None:
+        dist = index.get(normalize(name))
+        row = rows.setdefault(name, {"version": dist.version if dist else None,
+                                     "found": "metadata" if dist else NOT_FOUND,
+                                     "location": (dist.root if dist else None), "framework": None,
+                                     "needed_by": [], "importable": None, "import_error": None})
+        row.update({k: v for k, v in fields.items() if v is not None})
+        if needed_by and needed_by not in row["needed_by"]:
+            row["needed_by"].append(needed_by)
+
+    add(PLUGIN)
+    for name, fw in frameworks.items():
+        spec = matrix.frameworks.get(name) if matrix is not None else None
+        dists = list({normalize(d): d for d in reversed(spec.distributions if spec else ())}.values())[::-1] or [name]
+        mine = dict(framework=name, importable=fw.get("importable"), import_error=fw.get("import_error"))
+        if fw.get("installed") and not fw.get("distribution"):      # a source tree: no metadata to read
+            add(dists[0], version=fw.get("version") or "unknown version", found=fw.get("source"),
+                location=fw.get("location"), **mine)
+        else:
+            for dist in [d for d in dists if normalize(d) in index] or dists:
+                add(dist, **mine)
+        for dep in fw.get("depends_on") or {}:
+            add(dep, needed_by=name)
+    for name in PLUGIN_PACKAGES:
+        add(name, needed_by=PLUGIN)
+    return rows
 
 
 def _read(path: str) -> str | None:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:   # the same names for type checkers and editors; never run
     from .main_params import Float16OptimizerWithFloat16Params, MainParamsOptimizer
     from .main_params_checkpoint import load_checkpoint, save_checkpoint
     from .model_dtype import apply_model_init_dtype, validate_fp32_main_params_config
+    from .rebuild_main_params_planner import RebuildMainParamsPlanner
     from .muon_routing import OptimizerChain, build_muon_adamw, split_muon_adamw_params
     from .upstream_layout import upstream_state_dict
 
@@ -35,6 +36,7 @@ _EXPORTS = {
     "split_muon_adamw_params": "muon_routing",
     "OptimizerChain": "muon_routing",
     "upstream_state_dict": "upstream_layout",
+    "RebuildMainParamsPlanner": "rebuild_main_params_planner",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -103,16 +103,19 @@ def unflatten(state_dict: dict, group_fqns: list[list[str]], current: list[dict]
 
 
 def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable[str],
-                      owner: str) -> dict:
+                      owner: str) -> tuple[dict, list[list[str | None]] | None]:
     """``state_dict`` with its RFC section (if any) moved into the per-param state as
-    ``"main_param"`` (upstream's layout, where the section is the only copy). Where per-param entries
-    exist (ours), they are the same tensors and keep their positions, so an order mismatch is named
-    as such rather than blurred by a by-name section. Saved params map to ``fqns`` (ours, in
-    group order) by position in the saved param groups, as torch's ``load_state_dict`` does, so
-    state keyed by index (ours) or by FQN (upstream's, the earlier layout) both work. A section that
-    lacks any of the ``low_precision`` FQNs is refused, naming them, before anything is written."""
+    ``"main_param"`` (upstream's layout, where the section is the only copy), and the names the
+    section gives the saved params, per saved group (``None`` where it names none).
+
+    Where per-param entries exist (ours), the section holds their very tensors (also after
+    ``torch.save``/``torch.load`` or ``deepcopy``, which keep shared objects shared): each entry's
+    FQN names the saved param whose ``main_param`` it is, so :func:`split_by_leaf` loads by name.
+    Otherwise saved params map to ``fqns`` (ours, in group order) by their FQN keys or
+    ``param_names``, else by position, as torch's ``load_state_dict`` does. A section that lacks any
+    of the ``low_precision`` FQNs is refused, naming them, before anything is written."""
     if MP_KEY not in state_dict:
-        return state_dict
+        return state_dict, None
     section = state_dict[MP_KEY]
     mains = section.get(MAIN_PARAMS_KEY) if isinstance(section, Mapping) else None
     if not isinstance(mains, Mapping):
@@ -125,17 +128,52 @@ def merge_rfc_section(state_dict: dict, fqns: list[str], low_precision: Iterable
             f"params of {len(missing)} bf16/fp16 param(s): {', '.join(missing)}. Refusing to load "
             f"(nothing was written) rather than rebuilding them from the low-precision model params.")
     rest = {k: v for k, v in state_dict.items() if k != MP_KEY}
-    if any(_has_main_param(entry) for entry in rest.get("state", {}).values()):
-        return rest   # our layout: the section holds the per-param entries' own tensors, by name only
     groups = rest.get("param_groups")
+    if any(_has_main_param(entry) for entry in rest.get("state", {}).values()):
+        return rest, names_by_identity(groups, rest.get("state", {}), mains)   # ours: same tensors
     keys = [k for g in groups for k in g["params"]] if isinstance(groups, list) else []
     if len(keys) != len(fqns):
-        return rest   # split_by_leaf names the structural mismatch
+        return rest, None   # split_by_leaf names the structural mismatch
     state = {key: dict(value) for key, value in rest.get("state", {}).items()}
     for key, fqn in zip(keys, _saved_names(groups, fqns)):
         if fqn in mains:
             state.setdefault(key, {})[MAIN_PARAM] = mains[fqn]
-    return rest | {"state": state}
+    return rest | {"state": state}, None
+
+
+def names_by_identity(groups: Any, state: Mapping, mains: Mapping) -> list[list[str | None]] | None:
+    """Per saved group, the section's FQN of each saved param whose ``main_param`` is a section
+    entry's very tensor (or the same storage, offset, shape and stride), else ``None``."""
+    if not isinstance(groups, list):
+        return None
+    by_id = {id(t): fqn for fqn, t in mains.items()}
+    by_storage = {}
+    for fqn, t in mains.items():
+        where = _storage_identity(t)
+        if where is not None:
+            by_storage[where] = None if where in by_storage else fqn   # two entries: no name
+    names = []
+    for group in groups:
+        row = []
+        for key in group["params"]:
+            entry = state.get(key)
+            main = entry.get(MAIN_PARAM) if isinstance(entry, Mapping) else None
+            name = by_id.get(id(main)) if main is not None else None
+            if name is None and isinstance(main, torch.Tensor):
+                name = by_storage.get(_storage_identity(main))
+            row.append(name)
+        names.append(row)
+    return names
+
+
+def _storage_identity(t: Any) -> tuple | None:
+    """Where a non-empty tensor's local data lives; ``None`` for an empty one (no storage to tell by)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    local = local_tensor(t)
+    if local.numel() == 0:
+        return None
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
 
 
 def _has_main_param(entry: Any) -> bool:
@@ -175,12 +213,14 @@ def upgrade_legacy(state_dict: dict) -> dict:
 
 def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_of: ModelOf,
                   owner: str, fqn_of: Callable[[torch.Tensor], str] | None = None,
+                  saved_names: list[list[str | None]] | None = None,
                   ) -> tuple[list[dict], dict[torch.Tensor, Any], dict[torch.Tensor, Any]]:
     """Per-leaf torch-native state dicts (without ``"main_param"``), ``{model param: saved main
     param or None}`` for the bf16/fp16 params that have saved state, and ``{fp32 param: saved main
     param}`` for fp32 params whose saved state has one (a bf16 model's checkpoint: the fp32 master is
     the value to resume from). Saved params map to the current ones by name where the state dict
-    names them (FQN keys, or ``param_names`` on both sides), else by position, as in torch's
+    names them (FQN keys, ``param_names`` on both sides, or ``saved_names`` from the RFC section, see
+    :func:`merge_rfc_section`), else by position, as in torch's
     ``Optimizer.load_state_dict``; any structural mismatch (group sizes, names, order, shapes) raises
     before anything is loaded, naming what does not match."""
     saved_groups = state_dict.get("param_groups")
@@ -194,7 +234,8 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
         raise ValueError(f"{owner}.load_state_dict: saved param group sizes {[a for a, _ in sizes]} "
                          f"do not match the wrapped optimizers' {[b for _, b in sizes]}")
     saved_state = state_dict.get("state", {})
-    group_keys = [_keys_in_current_order(s, g, gi, model_of, fqn_of, owner)
+    group_keys = [_keys_in_current_order(s, g, gi, model_of, fqn_of, owner,
+                                         saved_names[gi] if saved_names and fqn_of else None)
                   for gi, (s, g) in enumerate(zip(saved_groups, current))]
     keys = [k for g in group_keys for k in g]
     known = set(keys)
@@ -239,26 +280,66 @@ _PARAM_SHAPED = (MAIN_PARAM, "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentu
 
 
 def _keys_in_current_order(saved: dict, current: dict, gi: int, model_of: ModelOf,
-                           fqn_of: Callable[[torch.Tensor], str] | None, owner: str) -> list:
-    """The saved group's keys reordered to the current params' order where both sides name their
-    params (FQN keys of the earlier layout, or ``param_names`` on both groups); else as saved."""
+                           fqn_of: Callable[[torch.Tensor], str] | None, owner: str,
+                           section_names: list[str | None] | None = None) -> list:
+    """The saved group's keys reordered to the current params' order where the state dict names its
+    params (FQN keys of the earlier layout and upstream's, ``param_names`` on both groups, or the
+    RFC section's names for some of them); else as saved."""
     keys = list(saved["params"])
     if "param_names" in saved and "param_names" in current:
         saved_names, names = list(saved["param_names"]), list(current["param_names"])
     elif fqn_of is not None and keys and all(isinstance(k, str) for k in keys):
         saved_names, names = keys, [fqn_of(model_of(p)) for p in current["params"]]
+    elif section_names is not None and any(n is not None for n in section_names):
+        return _keys_by_some_names(keys, section_names, [fqn_of(model_of(p)) for p in current["params"]],
+                                   gi, owner)
     else:
         return keys
     if saved_names == names:
         return keys
     if sorted(saved_names) != sorted(names) or len(set(names)) != len(names):
-        extra = sorted(set(saved_names) - set(names))
-        lacking = sorted(set(names) - set(saved_names))
-        raise ValueError(f"{owner}.load_state_dict: param group {gi} of the state dict names other params "
-                         f"than the optimizer's: saved but not here: {', '.join(extra) or '-'}; here but "
-                         f"not saved: {', '.join(lacking) or '-'}")
+        _refuse_other_names(gi, saved_names, names, owner)
     by_name = dict(zip(saved_names, keys))
     return [by_name[n] for n in names]   # same params, other order: loaded by name
+
+
+def _refuse_other_names(gi: int, saved_names: list, names: list, owner: str) -> None:
+    extra = sorted(set(saved_names) - set(names) - {None})
+    lacking = sorted(set(names) - set(saved_names))
+    raise ValueError(f"{owner}.load_state_dict: param group {gi} of the state dict names other params "
+                     f"than the optimizer's: saved but not here: {', '.join(extra) or '-'}; here but "
+                     f"not saved: {', '.join(lacking) or '-'}. Nothing was loaded.")
+
+
+def _keys_by_some_names(keys: list, saved_names: list, names: list[str], gi: int, owner: str) -> list:
+    """Keys in the current order when only some saved params are named (the RFC section names the
+    bf16/fp16 ones): named ones go to their param, the unnamed fill the rest in saved order. That is
+    certain only when at most one is unnamed, or when the names show the saved order is ours."""
+    named = [n for n in saved_names if n is not None]
+    stray = sorted({n for n in named if n not in names} | {n for n in named if named.count(n) > 1})
+    if stray:
+        raise ValueError(f"{owner}.load_state_dict: param group {gi} of the state dict holds the main params "
+                         f"of {', '.join(stray)} (named by its {MP_KEY} section), which are not params of the "
+                         f"optimizer's group {gi} (or are named twice). Nothing was loaded.")
+    if all(n is None or n == here for n, here in zip(saved_names, names)):
+        return keys   # the names agree with the positions
+    placed: list = [None] * len(names)
+    for key, name in zip(keys, saved_names):
+        if name is not None:
+            placed[names.index(name)] = key
+    free = [i for i, key in enumerate(placed) if key is None]
+    unnamed = [key for key, name in zip(keys, saved_names) if name is None]
+    if len(unnamed) > 1:
+        raise ValueError(
+            f"{owner}.load_state_dict: the state dict's params are in another order than the "
+            f"optimizer's (its {MP_KEY} section names {', '.join(repr(n) for n in named)} at other "
+            f"positions), and it names no param for {', '.join(repr(names[i]) for i in free)} of param "
+            f"group {gi}, so their order cannot be told. Nothing was loaded. Load it by name (torch's "
+            f"set_optimizer_state_dict or load_checkpoint, keyed by FQN), or build the model and "
+            f"optimizer with the saved order.")
+    for i, key in zip(free, unnamed):
+        placed[i] = key
+    return placed
 
 
 def _shape(t: torch.Tensor) -> tuple:
@@ -315,11 +396,11 @@ def _check_positions(keys: list, mains: list, saved_state: dict, model_of: Model
                                  for i in bad[:4]) + ". Nothing was loaded.")
 
 
-def raise_partial_main_params(missing: Iterable[str]) -> None:
+def raise_partial_main_params(missing: Iterable[str], where: str = "'main_param'") -> None:
     """Refuse a state that has the main params of some bf16/fp16 params only, naming the others."""
     missing = sorted(missing)
     raise ValueError(
-        f"optimizer state is incomplete: it holds the fp32 main params ('main_param') of some "
+        f"optimizer state is incomplete: it holds the fp32 main params ({where}) of some "
         f"bf16/fp16 params but not of {len(missing)} other(s): {', '.join(missing)}. Refusing to "
         f"load (nothing was written) rather than silently rebuilding them from the low-precision "
         f"model params.")

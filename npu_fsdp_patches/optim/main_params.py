@@ -352,10 +352,10 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         owner = type(self).__name__
         groups = self._group_fqns()
         current = [g for leaf in self.leaf_optimizers for g in leaf.param_groups]
-        merged = merge_rfc_section(unflatten(state_dict, groups, current), [f for g in groups for f in g],
-                                   self.main_params_by_fqn(), owner)
+        merged, names = merge_rfc_section(unflatten(state_dict, groups, current), [f for g in groups for f in g],
+                                          self.main_params_by_fqn(), owner)
         natives, saved, fp32_saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner,
-                                                   self.fqn)
+                                                   self.fqn, names)
         missing = [self.fqn(model) for model, main in saved.items() if main is None]
         if missing and len(missing) < len(saved):
             raise_partial_main_params(missing)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .tensors import is_any_dtensor
+from .tensors import is_any_dtensor, is_foreign_dtensor, local_tensor
 
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -71,33 +71,70 @@ def _layout(t: torch.Tensor) -> tuple | None:
     return (t.device_mesh, tuple(t.placements))
 
 
+def _refuse_foreign_casts(model: nn.Module, dtype: torch.dtype) -> None:
+    """Refuse, before anything is cast, a model whose DTensors of another framework (hyper-parallel's)
+    would need a cast. Their ops run only through that framework's dispatch, and its ``fully_shard``
+    records each param's dtype and sharded storage when it shards (hyper-parallel fdd0a808
+    platform/torch/fully_shard/state.py:58, param.py:289-297), so a cast afterwards would not reach what
+    it all-gathers: training would go on with the old weights. Cast before sharding instead."""
+    leaves = dict((*model.named_parameters(), *model.named_buffers()))
+    names = [name for name, t in leaves.items() if is_foreign_dtensor(t)
+             and local_tensor(t).is_floating_point() and local_tensor(t).dtype != dtype]
+    if not names:
+        return
+    first = leaves[names[0]]
+    shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise TypeError(
+        f"apply_model_init_dtype: {shown} {'is a' if len(names) == 1 else 'are'} "
+        f"{type(first).__module__}.{type(first).__qualname__} ({local_tensor(first).dtype}), the DTensor of "
+        "a framework that shards with its own fully_shard and records each param's dtype when it shards: "
+        "a cast afterwards would not reach its sharded storage. Cast the model first, then shard it: "
+        f"apply_model_init_dtype(model, {str(dtype).removeprefix('torch.')!r}) before fully_shard(model, ...). "
+        "Nothing was cast")
+
+
+def _cast_plain_leaves(model: nn.Module, dtype: torch.dtype) -> None:
+    """Module.to(dtype) for the plain floating params and buffers of a model that also holds foreign
+    DTensors already in ``dtype`` (they are left alone)."""
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if not is_foreign_dtensor(t) and t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
+
+
 def apply_model_init_dtype(model: nn.Module, dtype: Any) -> nn.Module:
     """Cast floating params and buffers of ``model`` to ``dtype`` in place (None: no-op).
 
     Integer and bool buffers are left alone. Parameter objects, and DTensor meshes and
     placements, are kept; this is checked afterwards and a violation raises ``RuntimeError``.
-    FSDP2 modules refresh their padded shard storage through their own ``_apply`` hook.
+    FSDP2 modules refresh their padded shard storage through their own ``_apply`` hook, so with torch
+    FSDP2 either order works. A DTensor of another framework (hyper-parallel's) that would need a cast
+    is refused with ``TypeError`` before anything is cast: cast before that framework's ``fully_shard``.
     """
     dtype = _as_dtype(dtype, "model_init_dtype")
     if dtype is None:
         return model
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"model_init_dtype={dtype} is not one of float16, bfloat16, float32")
+    _refuse_foreign_casts(model, dtype)
     before = {name: (p, _layout(p)) for name, p in model.named_parameters()}
     int_buffers = {name: (b, b.dtype) for name, b in model.named_buffers()
-                   if not b.is_floating_point()}
-    model.to(dtype)   # Module.to(dtype) casts floating tensors only, via param.data = ...
+                   if not local_tensor(b).is_floating_point()}
+    if any(is_foreign_dtensor(t) for t in (*model.parameters(), *model.buffers())):
+        _cast_plain_leaves(model, dtype)   # Module.to would ask each foreign DTensor is_floating_point()
+    else:
+        model.to(dtype)   # Module.to(dtype) casts floating tensors only, via param.data = ...
     after = dict(model.named_parameters())
     for name, (p, layout) in before.items():
         if after.get(name) is not p:
             raise RuntimeError(f"apply_model_init_dtype replaced parameter {name!r}")
         if _layout(p) != layout:
             raise RuntimeError(f"apply_model_init_dtype changed the DTensor layout of {name!r}")
-        if p.is_floating_point() and p.dtype != dtype:
-            raise RuntimeError(f"parameter {name!r} is {p.dtype} after the cast to {dtype}")
+        if local_tensor(p).is_floating_point() and local_tensor(p).dtype != dtype:
+            raise RuntimeError(f"parameter {name!r} is {local_tensor(p).dtype} after the cast to {dtype}")
     for name, b in model.named_buffers():
         if name in int_buffers and b.dtype != int_buffers[name][1]:
             raise RuntimeError(f"apply_model_init_dtype changed the dtype of buffer {name!r}")
-        if b.is_floating_point() and b.dtype != dtype:
-            raise RuntimeError(f"buffer {name!r} is {b.dtype} after the cast to {dtype}")
+        if local_tensor(b).is_floating_point() and local_tensor(b).dtype != dtype:
+            raise RuntimeError(f"buffer {name!r} is {local_tensor(b).dtype} after the cast to {dtype}")
     return model

@@ -19,7 +19,8 @@ SHIPPED_MATRIX = Path(__file__).resolve().parent.parent / "compat_matrix.yaml"  
 _TARGET = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<qualname>[A-Za-z_][\w.]*)(?P<optional>\?)?$")
 _TOP_KEYS = {"schema_version", "defaults", "frameworks", "patches"}
 _DEFAULTS_KEYS = {"gate", "verified"}
-_FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages"}
+_FRAMEWORK_KEYS = {"distributions", "module", "flavors", "source_version_file", "commit_file", "meta_packages",
+                   "depends_on", "environment"}
 _FLAVOR_KEYS = {"flavor", "distribution_matches", "ships_module"}
 _PATCH_KEYS = {"summary", "targets", "gate", "stand_down_probe", "verified", "upstream", "facts", "why"}
 _CONDITION_KEYS = {"installed", "version", "flavor", "note"}
@@ -58,6 +59,8 @@ class FrameworkSpec(NamedTuple):
     source_version_file: str | None = None
     commit_file: str | None = None
     meta_packages: Mapping[str, tuple] = {}   # meta distribution -> distributions, one of which must be there
+    depends_on: tuple = ()      # distributions whose versions decide whether it imports and runs (report lists them)
+    environment: tuple = ()     # environment variables that decide what it imports (doctor and report record them)
 
 
 class PatchSpec(NamedTuple):
@@ -206,7 +209,9 @@ def _framework(r: _Reader, name: str, raw: Any, kp: str) -> FrameworkSpec:
             for dist, needs in r.mapping(raw.get("meta_packages"), f"{kp}.meta_packages").items()}
     return FrameworkSpec(name, r.strings(raw.get("distributions"), f"{kp}.distributions"), module,
                          tuple(flavors), r.string(raw, "source_version_file", kp),
-                         r.string(raw, "commit_file", kp), meta)
+                         r.string(raw, "commit_file", kp), meta,
+                         r.strings(raw.get("depends_on"), f"{kp}.depends_on"),
+                         r.strings(raw.get("environment"), f"{kp}.environment"))
 
 
 def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mapping) -> Condition:

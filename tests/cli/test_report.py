@@ -66,10 +66,11 @@ def test_report_writes_json_and_markdown_with_every_section(tmp_path):
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "out" / "bug.json").read_text())
-    assert (data["schema"], data["schema_version"]) == ("npu-fsdp-patches/report", 1)
+    assert (data["schema"], data["schema_version"]) == ("npu-fsdp-patches/report", 2)
     assert data["doctor"]["schema"] == "npu-fsdp-patches/doctor" and data["doctor"]["patches"]
     assert set(data["system"]) == {"os", "kernel", "machine", "python", "host", "time"}
-    assert data["packages"]["torch"].startswith("2.") and data["packages"]["mindspeed"] == "not found"
+    assert data["packages"]["torch"]["version"].startswith("2.") and data["packages"]["torch"]["importable"]
+    assert data["packages"]["mindspeed"]["found"] == "not found"
     assert data["ascend"]["cann_toolkit"]["version"] == "8.0.RC2"
     assert data["ascend"]["npu_smi"]["models"] == {"910B3": 2}
     st = data["self_test"]
@@ -87,13 +88,17 @@ def test_report_markdown_says_why_the_self_test_was_skipped_and_what_was_not_fou
                               "torch_npu": {"installed": False}},
               "frameworks": {}, "patches": [], "errors": [], "warnings": [], "exit_code": 0}
     report = {"system": {"os": "Linux", "kernel": "Linux 5", "machine": "x", "python": "3", "host": "h",
-                         "time": "t"}, "packages": {"torch": "not found"}, "doctor": doctor,
+                         "time": "t"}, "doctor": doctor,
+              "packages": {"torch": {"version": None, "found": "not found", "location": None, "framework": "torch",
+                                     "needed_by": [], "importable": None, "import_error": None}},
               "ascend": {"cann_toolkit": {"version": "not found"}, "driver": {"version": "not found"},
                          "npu_smi": {"status": "not found"}},
               "self_test": {"skipped": "--no-self-test was given"}}
     md = markdown(report, "r.json")
     assert "| CANN toolkit | not found |" in md and "| NPU driver | not found |" in md
     assert "| NPUs | npu-smi: not found |" in md and "Skipped: --no-self-test was given." in md
+    assert "| torch | - | not found | framework torch |" in md
+    assert "Detection environment: PYTHONPATH unset; no framework variable applies." in md
 
 
 def test_report_to_a_path_it_cannot_write_exits_2_at_once(tmp_path):

@@ -254,7 +254,8 @@ def ours_chain_to_upstream_chain(rank, world, tmp):
 
 
 def rfc_state_dict(rank, world, tmp):
-    """RFC §2.2-2.4 on ``state_dict()``, the single copy on disk, and the partial-section refusal."""
+    """hyper-parallel RFC 001 2.2-2.4 (docs/hyper_parallel.md#5-hyper-parallel-rfc-001) on ``state_dict()``,
+    the single copy on disk, and the partial-section refusal."""
     model, opt = ours(world)
     train(model, opt, 0, rank, world)
     sd = opt.state_dict()
@@ -273,12 +274,12 @@ def rfc_state_dict(rank, world, tmp):
     without = {k: v for k, v in sd.items() if k != SECTION}
     size_with, size_without = per_rank_file(sd, tmp, "with", rank)[1], per_rank_file(without, tmp, "without", rank)[1]
     main_bytes = sum(full_local_bytes(v) for v in mains.values())   # checked by the test (rank-local)
-    # §2.3: fp32 model
+    # RFC 001 2.3: fp32 model
     model32, opt32 = ours(world, torch.float32)
     train(model32, opt32, 0, rank, world)
     assert opt32.state_dict()[SECTION] == {MAINS: {}}
     assert all(p.main_param is p for p in model32.parameters())
-    # §2.4: a partial section is refused, naming the missing params, before anything is written
+    # RFC 001 2.4: a partial section is refused, naming the missing params, before anything is written
     partial = dict(sd)
     partial[SECTION] = {MAINS: {k: v for k, v in section.items() if k not in ("embed.weight", "proj1.weight")}}
     target_model, target = ours(world)

@@ -138,8 +138,7 @@ emit(refs=r["stale_refs"], before=r["imported_before_activation"], copy=demo_tar
 """, NPU_FSDP_PATCHES_MATRIX=str(matrix))
     assert result["copy"] == "hello x!" and result["refs"] == {}
     assert result["before"] == ["demo_target", "demo_target.extra"]
-    assert result["warnings"] == ["demo_shout: demo_target, demo_target.extra were imported before "
-                                  "npu_fsdp_patches activated; no module holds a stale reference"]
+    assert result["warnings"] == []   # imported first, yet every copy is patched: nothing to warn about
 
 
 def test_import_torch_with_hyper_parallel_lists_no_stale_refs(hyper_site):
@@ -150,9 +149,12 @@ import json, sys, torch
 import npu_fsdp_patches
 r = {x["name"]: x for x in npu_fsdp_patches.status()}["hp_skip_dispatch_adamw"]
 ours = [getattr(sys.modules[m].adam, "__npu_fsdp_patch__", None) for m in r["imported_before_activation"]]
-print(json.dumps([r["state"], r["stale_refs"], ours]))
+from npu_fsdp_patches.cli.doctor import warnings_for
+said = [w for w in warnings_for(npu_fsdp_patches.status()) if "imported before" in w]
+print(json.dumps([r["state"], r["stale_refs"], ours, said]))
 """, paths=[site])
-    assert json.loads(proc.stdout.splitlines()[-1]) == ["applied", {}, ["hp_skip_dispatch_adamw"] * 3]
+    # doctor says nothing about it: no module holds an unpatched copy (issue 41: it alarmed every hyper user)
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["applied", {}, ["hp_skip_dispatch_adamw"] * 3, []]
 
 
 def test_reload_of_a_patched_module_is_reported_and_apply_fixes_it(tmp_path):
