@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.distributed import run_ranks
+from tests.children.compiled_adam import run_key
 from tests.support import install_fixture, run_case
 
 OFF = {"NPU_FSDP_PATCHES": "0"}
@@ -44,7 +45,7 @@ IMPLS = ("default", "foreach", "fused", "single")
 OPTIONS = ("amsgrad_maximize", "foreach_amsgrad", "tensor_lr")
 PLAIN_RUNS = ([[cls, impl, "aot_eager", False] for cls in ("Adam", "AdamW") for impl in IMPLS]
               + [[cls, impl, "aot_eager", False] for cls in ("Adam", "AdamW") for impl in OPTIONS]
-              + [["AdamW", impl, "aot_eager", True] for impl in ("default", "foreach")]
+              + [["AdamW", impl, "aot_eager", skip] for impl in ("default", "foreach") for skip in (True, "no_skip")]
               + [["AdamW", impl, "inductor", False] for impl in ("default", "foreach", "single")])
 DTENSOR_RUNS = [["AdamW", impl, "aot_eager", False] for impl in IMPLS + ("foreach_amsgrad", "tensor_lr")]
 OLD_RUNS = [["AdamW", impl, "aot_eager", False] for impl in ("default", "foreach")]
@@ -54,8 +55,7 @@ FIRST_RUNS = [["AdamW", impl, "aot_eager", skip] for impl, skip in (("default", 
 
 
 def _key(run: list) -> str:
-    cls, impl, backend, under_skip = run
-    return f"{cls}/{impl}/{backend}" + ("/skip" if under_skip else "")
+    return run_key(*run)
 
 
 def _torch(launches: dict) -> str:

@@ -66,7 +66,7 @@ def test_patched_step_does_not_depend_on_torch_choice(generation):
 
 def test_outside_context_and_other_optimizers_unchanged(generation):
     _, r = generation
-    assert "dose not contain parallel layout infer func" in r["outside_context"]
+    assert "contain parallel layout infer func" in r["outside_context"]   # "dose not" in the old generation
     plain = r["plain_under_skip"]      # no hyper param: torch's own choice, on the params themselves
     assert plain["equal"] and plain["impl"] == plain["ref_impl"] == ["_multi_tensor_adam"], plain
     assert r["sgd"] == {"untouched": True, "adam_calls": []}
@@ -94,3 +94,28 @@ def test_stands_down_when_hyper_registers_its_dtensor(hyper_site):
     r = run_child("torch_choice_case", [site])
     assert r["record"]["state"] == "skipped" and "upstream has it" in r["record"]["note"], r["record"]
     assert not r["patched"]
+
+
+@pytest.mark.parametrize("flags", ["default", "foreach=True", "fused=True"])
+@pytest.mark.parametrize("mode", ["no_skip_adamw", "no_skip_zeros_like"])
+def test_bit_exact_inside_skip_dispatch_with_no_skip(generation, mode, flags):
+    """New generation's ``SkipDTensorDispatch(no_skip=...)`` (core/dtensor/dtensor.py, index commit 04eab380):
+    with the AdamW ops named, or ``torch.zeros_like`` as hyper's own state initialisation names it, the
+    patched step is bit-exact with torch's DTensor, on torch's implementation for the same flags."""
+    name, r = generation
+    if name == "old":
+        pytest.skip("the old generation's SkipDTensorDispatch takes no no_skip (docs/hyper_parallel.md#11-generations)")
+    case = r["no_skip"][f"{mode}_{flags}"]
+    assert case["equal"] and case["impl"] == case["ref_impl"] and case["types"] == ["Tensor"], case
+
+
+def test_no_skip_states_and_the_unpatched_step(generation):
+    name, r = generation
+    if name == "old":
+        pytest.skip("the old generation's SkipDTensorDispatch takes no no_skip")
+    cases = r["no_skip"]
+    # zeros_like dispatches (named in both): the moments are hyper DTensors with the param's layout; step is a tensor
+    for mode in ("no_skip_adamw", "no_skip_zeros_like"):
+        assert cases[f"{mode}_state_types"] == ["hyper_parallel.DTensor", "torch.Tensor"], cases
+    # without the patch, the named ops reach hyper's dispatcher, which has no layout for them
+    assert "does not contain parallel layout infer func" in cases["reverted"], cases["reverted"]

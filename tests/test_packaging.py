@@ -45,7 +45,7 @@ def test_plain_checkout_then_non_editable_install(fresh_venv):
                               env={**clean_env, "PYTHONPATH": str(REPO_ROOT)})
     assert checkout.returncode == 0, checkout.stderr
     shipped = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor",
-               "te_fused_adam_empty_scale", "te_initialize_state_compat",
+               "te_fused_adam_empty_group_step", "te_fused_adam_empty_scale", "te_initialize_state_compat",
                "te_multi_tensor_apply_empty_tail"]
     found = json.loads(checkout.stdout)
     assert found["names"] == shipped and found["builtins"] == shipped

@@ -1,4 +1,5 @@
-"""The CPU ``transformer_engine_torch`` stand-in (tests/fixtures/te_torch_cpu) against float64 math.
+"""The CPU ``transformer_engine_torch`` stand-in (tests/fixtures/te_torch_cpu) against float64 math, and the FP8
+cast and ``Float8Tensor`` stand-ins (te_torch_cpu, te_real_shim) against FP8 E4M3 encodings.
 
 Its Adam kernels must agree with a float64 AdamW/Adam to fp32 rounding, the int16-remainder kernel
 must carry exactly the fp32 master of the master-weight kernel, and its launcher must drop a
@@ -129,3 +130,54 @@ print("OK")
 def test_cpu_kernels_against_float64_and_the_launcher(tmp_path):
     site = install_fixture("te_torch_cpu", tmp_path)
     assert "OK" in run_python(_KERNELS, paths=[site]).stdout
+
+
+_FP8 = r"""
+import torch
+import transformer_engine_torch as tex
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
+
+E4M3 = tex.DType.kFloat8E4M3
+def cast(values, scale):
+    data, scale_inv, amax = torch.empty(len(values), dtype=torch.uint8), torch.empty(1), torch.zeros(1)
+    tex.cast_to_fp8(torch.tensor(values), torch.tensor([scale]), amax, data, scale_inv, E4M3)
+    return data.tolist(), scale_inv.item(), amax.item()
+
+# E4M3 bytes (OCP FP8, CUDA's __nv_fp8_e4m3): 1.0 = 0x38, -2.0 = 0xC0, 448 = 0x7E, NaN = 0x7F; SATFINITE
+# saturates what exceeds 448, infinities included; round to nearest even (17 ties to 16 = 0x58, 18 = 0x59)
+data, scale_inv, amax = cast([1.0, -2.0, 500.0, float("inf"), float("nan"), 17.0, 18.0, 0.0], 1.0)
+assert data == [0x38, 0xC0, 0x7E, 0x7E, 0x7F, 0x58, 0x59, 0x00], [hex(b) for b in data]
+assert scale_inv == 1.0 and amax == float("inf")            # amax skips NaN, keeps inf
+data, scale_inv, amax = cast([3.0, -1.5], 0.5)             # x * scale is stored; scale_inv = 1 / scale
+assert data == [0x3C, 0xB4] and scale_inv == 2.0 and amax == 3.0   # 1.5, -0.75
+data, scale_inv, _ = cast([0.0, 0.0], float("inf"))          # 0 * inf: NaN bytes, scale_inv = 1 / inf = 0
+assert data == [0x7F, 0x7F] and scale_inv == 0.0
+assert torch.isnan(tex.cast_from_fp8(torch.tensor(data, dtype=torch.uint8), torch.zeros(1), E4M3,
+                                     torch.float32)).all()   # NaN * 0: the all-zero moment's NaN
+
+# the Float8Tensor stand-in, TE 2.x: quantizer scale in, 1/scale out; copy_ quantizes, float() dequantizes
+q = Float8Quantizer(scale=torch.full([1], 4.0), amax=torch.zeros(1), fp8_dtype=E4M3)
+t = q.make_empty((3,))
+t.quantize_(torch.tensor([0.25, -1.0, 8.0]))
+assert isinstance(t, Float8Tensor) and t.dtype == torch.float32 and t.shape == (3,)
+assert t._scale_inv.item() == 0.25 and q.amax.item() == 8.0
+assert t.float().tolist() == [0.25, -1.0, 8.0] and t.dequantize().dtype == torch.float32
+t.copy_(torch.tensor([1.0, 2.0, 3.0]))
+assert t.float().tolist() == [1.0, 2.0, 3.0]
+u = Float8Quantizer(scale=torch.ones(1), amax=torch.zeros(1), fp8_dtype=E4M3).make_empty((3,))
+u.copy_(t)                                                  # Float8Tensor to Float8Tensor: data and scale_inv
+assert torch.equal(u._data, t._data) and u._scale_inv.item() == 0.25
+# TE 1.13: no quantizer; quantize_ casts with 1 / _scale_inv and writes its reciprocal back
+v = Float8Tensor(data=torch.zeros(2, dtype=torch.uint8), dtype=torch.float32, fp8_scale_inv=torch.full([1], 0.5))
+v.copy_(torch.tensor([1.0, -3.0]))
+assert v._scale_inv.item() == 0.5 and v.float().tolist() == [1.0, -3.0]
+assert (v.float() * 2).tolist() == [2.0, -6.0]             # other ops run on the dequantized value
+print("OK")
+"""
+
+
+def test_fp8_cast_and_float8_tensor_stand_ins(tmp_path):
+    """The FP8 stand-ins (te_torch_cpu/_fp8.py, te_real_shim's Float8Tensor/Float8Quantizer) against FP8
+    E4M3 encodings and TE's cast semantics: saturation, NaN, round to nearest even, scale_inv, amax."""
+    sites = [install_fixture("te_torch_cpu", tmp_path), install_fixture("te_real_shim", tmp_path)]
+    assert "OK" in run_python(_FP8, paths=sites).stdout

@@ -31,12 +31,17 @@ UNPATCHED_ERRORS = {
 
 
 @pytest.fixture(scope="module")
-def launch():
+def launch(tmp_path_factory):
     """``launch(flavor)``: that flavor's one 2-rank launch of tests/multirank/te_fused_adam_cases.py,
-    run once for every test of it (a failed launch fails each of them with its report)."""
-    return launch_once(lambda flavor: run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2,
-                                                args={"flavor": flavor}, timeout=300,
-                                                env={**_ENV, "PYTHONPATH": str(_site(flavor))}))
+    run once for every test of it (a failed launch fails each of them with its report). On TENPU it also
+    runs te_fused_adam_empty_group_step's cases (tests/multirank/te_step_counter_cases.py)."""
+    def run(flavor):
+        args = {"flavor": flavor}
+        if flavor == "tenpu":
+            args["fixes_dir"] = str(tmp_path_factory.mktemp("tenpu-counter"))
+        return run_ranks("tests.multirank.te_fused_adam_cases:te_patch_cases", 2, args=args, timeout=300,
+                         env={**_ENV, "PYTHONPATH": str(_site(flavor))})
+    return launch_once(run)
 
 
 @pytest.fixture(scope="module", params=FLAVORS)
@@ -168,3 +173,20 @@ def test_initialize_state_one_argument_on_nvte_2_11(launch):
     derived and a contradicting one refused (in the nvte211 launch above)."""
     assert_check(launch("nvte211"), te_fused_adam_cases.INIT_STATE_CHECK,
                  te_fused_adam_cases.DECLARED["nvte211"])
+
+
+def test_tenpu_empty_group_counters_resume_like_a_one_rank_run(launch):
+    """te_fused_adam_empty_group_step on the TENPU stand-in, whose step skips empty groups as NVTE's does:
+    Megatron's distributed-optimizer shards resumed at 2, 3 and 1 ranks (tests/test_te_real.py's case), a
+    DTensor optimizer with an empty group, and the negative control on TENPU's own code."""
+    results = launch("tenpu")
+    for rank, r in enumerate(results):
+        counter = r["counter"]
+        assert counter["status"]["te_fused_adam_empty_group_step"] == "applied", counter["status"]
+        assert counter["patched"]["dtensor"]["counters"] == [2, 2], (rank, counter["patched"]["dtensor"])
+        assert counter["patched"]["reverted_hooks"]["counters"] == [[1, 1], [2, 1], [3, 2]]
+    got = {k: v for r in results for k, v in r["counter"]["patched"]["resume"]["resumed"].items()}
+    assert len(got) == 7 and all(v["after_load"] == [3, 3] and v["after_step"] == [4, 4] and v["matches_reference"]
+                                 for v in got.values()), got
+    own = {k: v for r in results for k, v in r["counter"]["unpatched"]["resume"]["resumed"].items()}
+    assert own["2:1"]["after_load"] == [3, None] and not own["1:from1"]["matches_reference"], own

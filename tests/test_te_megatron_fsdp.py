@@ -20,9 +20,10 @@ from tests.te_real import require_te_site
 
 VERSIONS = ("2.11.0", "2.14.0")
 WORLDS = [int(w) for w in os.environ.get("NPU_FSDP_PATCHES_MEGATRON_FSDP_WORLDS", "2").split(",")]
-APPLIED = {"2.11.0": {"te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_initialize_state_compat"},
+APPLIED = {"2.11.0": {"te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_initialize_state_compat",
+                      "te_fused_adam_empty_scale", "te_fused_adam_empty_group_step"},
            "2.14.0": {"te_multi_tensor_apply_empty_tail", "te_fused_adam_empty_scale",
-                      "te_initialize_state_compat"}}
+                      "te_initialize_state_compat", "te_fused_adam_empty_group_step"}}
 _ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1"),
         "NPU_FSDP_PATCHES_ENABLE": "te_initialize_state_compat"}
 _PARAMS = [(v, w) for v in VERSIONS for w in WORLDS]

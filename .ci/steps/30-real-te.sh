@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Real TE sources: every verified transformer-engine wheel must be fetchable and laid out.
 #
-# The README test command already runs tests/test_te_real.py, test_te_fused_adam_patch.py and
-# test_megatron_initialize_state.py on the real FusedAdam of each release (tests/te_real.py
+# The README test command already runs tests/test_te_real.py (with te_fused_adam_empty_group_step's and
+# the FP8 cases in each release's launch), test_te_fused_adam_patch.py, test_te_fix_probes.py,
+# test_megatron_initialize_state.py and test_megatron_empty_group_step.py on the real FusedAdam of each
+# release (tests/te_real.py
 # downloads the pure-Python wheels with `pip download --no-deps` into
 # ~/.cache/npu_fsdp_patches/te-wheels); locally a missing wheel only skips them. This step makes a
 # missing wheel a CI failure (NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1) and re-runs the cheap real-TE

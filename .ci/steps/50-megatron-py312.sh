@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # te_initialize_state_compat on megatron-core 0.19.2, which needs Python >= 3.12 (issue 9 item 5), and
-# Megatron-FSDP's own ParamAndGradBuffer on gloo/CPU feeding TE's FusedAdam (issue 23):
-# tests/clients/test_megatron_py312.py in the venv .ci/venvs/megatron-py312, against TE 2.20.2's real
-# fused_adam.py (registry wheel, via tests/te_real.py) on 2 gloo ranks. The Megatron-FSDP test: 72 s at
-# a load average of ~16 (20 s CPU); all 5 tests: 239 s at that load.
+# Megatron-FSDP's own ParamAndGradBuffer on gloo/CPU feeding TE's FusedAdam (issue 23), and
+# te_fused_adam_empty_group_step on 0.19.2's own param groups, distributed-optimizer layout and factory
+# (issue 40, TE 2.18.0): tests/clients/test_megatron_py312.py in the venv .ci/venvs/megatron-py312, against
+# TE 2.20.2's (2.18.0's) real fused_adam.py (registry wheel, via tests/te_real.py) on 2 gloo ranks. The
+# Megatron-FSDP test: 72 s at a load average of ~16 (20 s CPU); all 5 tests: 239 s at that load; the
+# empty-group test: 27 s at a load average of ~12 (14 s CPU).
 # Python 3.12 comes from pyenv (this machine kind has 3.12.1 under `pyenv root`/versions); the step
 # fails with a clear message where it is missing. The local torch 2.13.0 wheel is cp311 only, so
 # torch 2.13.0 for cp312 comes from the registry (a CUDA build, ~5 GB, that runs on CPU).

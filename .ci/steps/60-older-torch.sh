@@ -4,8 +4,9 @@
 # run on CPU with CUDA_VISIBLE_DEVICES="").
 # FULL_LIST_TORCH (the oldest, 2.7.1, 2.9.1 and the newest) run FULL: every npu_fsdp_patches.optim path and
 # its layout tests, the four torch-facing patches, Megatron's initialize_state path, the real-TE launches
-# that back the three TE patches' verified torch (TE 2.10.0: te_fused_adam_dtensor +
-# te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail + te_fused_adam_empty_scale),
+# that back the TE patches' verified torch (TE 2.10.0: te_fused_adam_dtensor +
+# te_multi_tensor_apply_empty_tail; TE 2.14.0: te_multi_tensor_apply_empty_tail + te_fused_adam_empty_scale +
+# te_fused_adam_empty_group_step, whose cases run in the same launch),
 # the FSDP2 examples, the self-test's checks on 2 CPU ranks, the torch autoload entry, the torch gate and
 # doctor's torch finding. The others run LEAN: the same coverage less the repeated launches (the examples,
 # FusedAdam's and main params' extra multi-rank launches, TE's CPU kernels, Megatron's path). FULL also runs
@@ -36,6 +37,11 @@ LEAN=(
     tests/test_te_fused_adam_patch.py tests/test_main_params_veomni_checkpointer.py
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.10.0]"
     "tests/test_te_real.py::test_real_te_release_on_two_ranks[2.14.0]"
+    # the same 2.14.0 launch: te_fused_adam_empty_group_step's resume and te_fused_adam_empty_scale's FP8 cases
+    "tests/test_te_real.py::test_empty_group_counters_resume_like_a_one_rank_run[2.14.0]"
+    "tests/test_te_real.py::test_empty_group_counters_fail_on_te_s_own_code_before_2_19[2.14.0]"
+    "tests/test_te_real.py::test_fp8_moments_of_an_expert_without_tokens_stay_finite[2.14.0]"
+    "tests/test_te_real.py::test_fp8_states_are_scaled_bit_for_bit_as_te_except_all_zero[2.14.0]"
     tests/test_autoload.py tests/test_torch_gate.py tests/test_torch_gate_doctor.py
     "tests/test_self_test_command.py::test_every_applicable_check_passes_in_the_base_env"
     tests/test_checkpoint_layouts.py

@@ -238,11 +238,13 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
 
 
 def _verified_text(framework: str, entries: tuple) -> str:
-    """``transformer_engine [npu] 0.1.0, [nvidia] 2.10.0, 2.11.0``: each flavour once, before its versions."""
+    """``transformer_engine [npu] 0.1.0 (stand-in), [nvidia] 2.10.0, 2.11.0``: each flavour once, before its
+    versions; a version the suite ran only as a test stand-in says so."""
     groups: dict = {}
     for entry in entries:
         version, _, flavor = entry.partition(" [")
-        groups.setdefault(flavor.rstrip("]") or None, []).append(version)
+        flavor, _, mark = flavor.partition("]")
+        groups.setdefault(flavor or None, []).append(version + mark)
     return framework + "".join(f" [{flavor}]" * bool(flavor) + " " + ", ".join(versions) + ","
                                for flavor, versions in groups.items()).rstrip(",")
 

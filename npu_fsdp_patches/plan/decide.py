@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Mapping, NamedTuple
 
 from .detect import Detected
-from .matrix import Condition, PatchSpec
+from .matrix import STAND_IN, Condition, PatchSpec
 from .settings import PREFIX, Settings
 from .versions import VersionBounds, release_of
 
@@ -92,15 +92,19 @@ def verification(spec: PatchSpec, frameworks: Mapping[str, Detected], alternativ
     installed = [frameworks[n] for n in names if frameworks[n].installed]
     if not installed:
         return None, ()
-    unverified = tuple(_describe(fw) for fw in installed
-                       if not is_verified(spec.verified.get(fw.name, ()), fw))
+    unverified = tuple(_describe(fw) + ("; the suite ran only a stand-in of it" if is_verified(entries, fw, True)
+                                        else "")
+                       for fw in installed for entries in [spec.verified.get(fw.name, ())]
+                       if not is_verified(entries, fw))
     return not unverified, unverified
 
 
-def is_verified(entries: tuple, fw: Detected) -> bool:
-    """Whether the suite ran this version (of this flavour: ``2.13.0 [nvidia]``; a plain entry, any)."""
-    version = public_version(fw.version)
-    return version in entries or (fw.flavor is not None and f"{version} [{fw.flavor}]" in entries)
+def is_verified(entries: tuple, fw: Detected, stand_in: bool = False) -> bool:
+    """Whether the suite ran this version (of this flavour: ``2.13.0 [nvidia]``; a plain entry, any); with
+    ``stand_in``, whether it ran only a test stand-in of it (``0.1.0 [npu] (stand-in)``), which does not
+    make the installed package verified."""
+    version, mark = public_version(fw.version), STAND_IN if stand_in else ""
+    return f"{version}{mark}" in entries or (fw.flavor is not None and f"{version} [{fw.flavor}]{mark}" in entries)
 
 
 def public_version(version: str | None) -> str | None:

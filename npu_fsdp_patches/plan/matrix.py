@@ -235,7 +235,8 @@ def _condition(r: _Reader, framework: str, raw: Any, kp: str, frameworks: Mappin
 def _verified(r: _Reader, raw: Any, kp: str, frameworks: Mapping) -> dict:
     """framework -> versions. A framework with flavours lists them per flavour
     (``{npu: ["0.1.0"], nvidia: ["2.13.0"]}``), kept as ``"0.1.0 [npu]"`` (verified_entry): TENPU 0.1.0
-    and an NVIDIA TE 0.1.0 are different code. A plain list matches every flavour."""
+    and an NVIDIA TE 0.1.0 are different code. A plain list matches every flavour. A version the suite
+    ran only as a test stand-in (a package it cannot install) is written ``"0.1.0 (stand-in)"``."""
     verified = {}
     for fw, versions in r.mapping(raw, kp).items():
         if fw not in frameworks:
@@ -247,17 +248,27 @@ def _verified(r: _Reader, raw: Any, kp: str, frameworks: Mapping) -> dict:
                 if flavor not in known:
                     raise r.fail(f"{kp}.{fw}.{flavor}", f"unknown flavour {flavor!r} of {fw}; known: "
                                                         f"{', '.join(sorted(known)) or 'none'}")
-                entries += [verified_entry(v, flavor) for v in r.strings(listed, f"{kp}.{fw}.{flavor}")]
+                entries += [verified_entry(*_stand_in(v), flavor) for v in r.strings(listed, f"{kp}.{fw}.{flavor}")]
             verified[fw] = tuple(entries)
             continue
-        verified[fw] = r.strings(r.expect(versions, list, f"{kp}.{fw}", "a list or a mapping of flavour: list"),
-                                 f"{kp}.{fw}")
+        listed = r.strings(r.expect(versions, list, f"{kp}.{fw}", "a list or a mapping of flavour: list"),
+                           f"{kp}.{fw}")
+        verified[fw] = tuple(verified_entry(*_stand_in(v), None) for v in listed)
     return verified
 
 
-def verified_entry(version: str, flavor: str | None) -> str:
-    """How a verified version of one flavour is kept and shown: ``2.13.0 [nvidia]``."""
-    return f"{version} [{flavor}]" if flavor else version
+#: how the matrix marks a verified version that the suite ran only as a stand-in
+STAND_IN = " (stand-in)"
+
+
+def _stand_in(listed: str) -> tuple:
+    """(version, ran only as a stand-in?) of one listed verified version."""
+    return (listed[:-len(STAND_IN)], True) if listed.endswith(STAND_IN) else (listed, False)
+
+
+def verified_entry(version: str, stand_in: bool, flavor: str | None) -> str:
+    """How a verified version of one flavour is kept and shown: ``2.13.0 [nvidia]``, ``0.1.0 [npu] (stand-in)``."""
+    return (f"{version} [{flavor}]" if flavor else version) + (STAND_IN if stand_in else "")
 
 
 def _defaults(r: _Reader, raw: Any, frameworks: Mapping) -> PatchDefaults:

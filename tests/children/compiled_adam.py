@@ -58,12 +58,22 @@ def _import_as_in_training() -> None:
             importlib.import_module(name)
 
 
-def _skip_context(under_skip: bool):
+def _skip_context(under_skip):
+    """No context (False), ``SkipDTensorDispatch()`` (True), or ``SkipDTensorDispatch(no_skip=...)`` naming the
+    AdamW ops ("no_skip": the new generation, tests/children/hp_skip_dispatch.py ``adamw_ops``)."""
     import contextlib
     if not under_skip:
         return contextlib.nullcontext()
     from hyper_parallel import SkipDTensorDispatch
+    if under_skip == "no_skip":
+        from tests.children.hp_skip_dispatch import adamw_ops
+        return SkipDTensorDispatch(no_skip=adamw_ops())
     return SkipDTensorDispatch()
+
+
+def run_key(cls_name: str, impl: str, backend: str, under_skip) -> str:
+    """A run's name in the results: class/impl/backend, with /skip or /no_skip for its context."""
+    return f"{cls_name}/{impl}/{backend}" + {False: "", True: "/skip", "no_skip": "/no_skip"}[under_skip]
 
 
 def _reason(key) -> str:
@@ -130,8 +140,8 @@ def plain_case(runs: list, steps: int = 3, plugin_first: bool = False) -> dict:
     _import_as_in_training()
     out = {"environment": _environment()}
     for cls_name, impl, backend, under_skip in runs:
-        key = f"{cls_name}/{impl}/{backend}" + ("/skip" if under_skip else "")
-        out[key] = _compiled_run(cls_name, impl, backend, _plain_params, steps, under_skip)
+        out[run_key(cls_name, impl, backend, under_skip)] = _compiled_run(cls_name, impl, backend, _plain_params,
+                                                                          steps, under_skip)
     return out
 
 
@@ -157,6 +167,6 @@ def dtensor_case(rank: int, world: int, runs: list, steps: int = 3) -> dict:
     out: dict[str, Any] = {"environment": _environment(),
                            "local_rows": [list(p.to_local().shape) for p in make()[0]]}
     for cls_name, impl, backend, under_skip in runs:
-        key = f"{cls_name}/{impl}/{backend}" + ("/skip" if under_skip else "")
-        out[key] = _compiled_run(cls_name, impl, backend, make, steps, under_skip)
+        out[run_key(cls_name, impl, backend, under_skip)] = _compiled_run(cls_name, impl, backend, make, steps,
+                                                                          under_skip)
     return out

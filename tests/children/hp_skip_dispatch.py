@@ -86,16 +86,35 @@ def same(a, b):
     return len(a) == len(b) and all(bit_mismatches(x, y)[0] == 0 for x, y in zip(a, b))
 
 
+def adamw_ops() -> set:
+    """Every op torch's Adam/AdamW step runs on params and states, single-tensor, foreach and fused: named in
+    ``SkipDTensorDispatch(no_skip=...)`` (new generation), each still dispatches through hyper's DTensor."""
+    T = torch.Tensor
+    single = {T.lerp_, T.mul_, T.add_, T.addcmul_, T.addcdiv_, T.sqrt, T.div_, T.sub_, T.neg, T.copy_, T.maximum}
+    multi = {getattr(torch, f"_foreach_{n}") for n in ("lerp_", "mul_", "add_", "addcmul_", "addcdiv_", "sqrt",
+                                                        "div_", "sub_", "neg", "maximum_", "add", "mul", "sqrt_",
+                                                        "reciprocal_", "pow", "sub")}
+    return single | multi | {torch._fused_adamw_, torch._fused_adam_, torch.zeros_like}
+
+
+def skip_context(mode):
+    """The context a step runs in: none (False), ``SkipDTensorDispatch()`` (True), or with ``no_skip`` naming
+    the AdamW ops ("no_skip_adamw") or ``torch.zeros_like`` ("no_skip_zeros_like", hyper's own state init)."""
+    import contextlib
+    if not mode:
+        return contextlib.nullcontext()
+    if mode is True:
+        return SkipDTensorDispatch()
+    return SkipDTensorDispatch(no_skip=adamw_ops() if mode == "no_skip_adamw" else {torch.zeros_like})
+
+
 def run(kind, steps=8, skip=True, cls=torch.optim.AdamW, **kw):
     ps = params(kind)
     opt = cls(ps, lr=1e-3, weight_decay=0.01, **kw) if cls is not torch.optim.SGD else cls(ps, lr=0.1)
     del calls[:]
     for step in range(steps):
         set_grads(ps, step)
-        if skip:
-            with SkipDTensorDispatch():
-                opt.step()
-        else:
+        with skip_context(skip):
             opt.step()
     seen = sorted({c[0] for c in calls})
     return (snapshot(ps, opt) if cls is not torch.optim.SGD else None), seen, sorted({t for c in calls for t in c[1]})
@@ -155,7 +174,39 @@ def generation_case(generation: str) -> dict:
         opt.step()
     state = opt.state_dict()["state"][0]
     R["state"] = {k: [type(v).__name__, list(v.shape)] for k, v in state.items()}
+    if generation == "new":
+        R["no_skip"] = no_skip_cases()
     return R
+
+
+def no_skip_cases() -> dict:
+    """New generation: inside ``SkipDTensorDispatch(no_skip=...)`` naming the AdamW ops, or
+    ``torch.zeros_like`` as hyper's own optimizer-state initialisation does: patched, each flag is bit-exact
+    with torch's DTensor and runs torch's implementation for it; the states zeros_like made are hyper
+    DTensors. Reverted, the named ops reach hyper's dispatcher (the negative control)."""
+    out = {}
+    accelerator(True)
+    for mode in ("no_skip_adamw", "no_skip_zeros_like"):
+        for flags in ({}, {"foreach": True}, {"fused": True}):
+            name = f"{mode}_" + ("_".join(f"{k}={v}" for k, v in flags.items()) or "default")
+            ref, ref_impl, _ = run("torch", skip=False, **flags)
+            got, got_impl, got_types = run("hyper", skip=mode, **flags)
+            out[name] = {"equal": same(ref, got), "ref_impl": ref_impl, "impl": got_impl, "types": got_types}
+        ps = params("hyper")
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01)
+        set_grads(ps, 0)
+        with skip_context(mode):
+            opt.step()
+        out[f"{mode}_state_types"] = sorted({type(v).__module__.split(".")[0] + "." + type(v).__name__
+                                             for v in opt.state[ps[0]].values()})
+    npu_fsdp_patches.revert("hp_skip_dispatch_adamw")
+    try:
+        run("hyper", skip="no_skip_adamw")
+        out["reverted"] = "no error"
+    except RuntimeError as exc:
+        out["reverted"] = str(exc)
+    npu_fsdp_patches.apply("hp_skip_dispatch_adamw")
+    return out
 
 
 def veomni_case() -> dict:

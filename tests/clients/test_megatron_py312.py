@@ -96,3 +96,15 @@ def test_megatron_fsdp_own_buffers_on_cpu_with_real_te():
         assert seam["patch_states"]["te_fused_adam_empty_scale"] == "applied"
     numels = [r["ParamAndGradBuffer, .cuda() a no-op"]["local_numels"] for r in results]
     assert 0 in sum(numels, []) and len({tuple(n) for n in numels}) > 1, numels   # uneven, empty shards
+
+
+def test_megatron_0_19_distributed_optimizer_groups_resume_with_the_empty_group_step_patch(tmp_path):
+    """te_fused_adam_empty_group_step with megatron-core 0.19's own param groups, distributed-optimizer
+    layout (``DistributedOptimizer._compute_per_buffer_param_layout``) and factory, on TE 2.18.0, the last
+    release before the fix (tests/test_megatron_empty_group_step.py runs 0.16.1)."""
+    _require_environment()
+    from tests.te_real import require_te_site
+    from tests.test_megatron_empty_group_step import assert_megatron_resume, run_megatron_resume
+    results = run_megatron_resume(require_te_site("2.18.0"), tmp_path)
+    assert all(r["factory_stop"] is None for r in results), [r["factory_stop"] for r in results]
+    assert_megatron_resume(results, "0.19.")

@@ -114,7 +114,7 @@ def initialize_state_one_argument(te_cls) -> None:
             raise AssertionError("contradicting value accepted")
 
 
-def te_patch_cases(rank: int, world: int, flavor: str):
+def te_patch_cases(rank: int, world: int, flavor: str, fixes_dir: str | None = None):
     from transformer_engine.pytorch.optimizers import FusedAdam as BoundBefore
     from transformer_engine.pytorch.optimizers import fused_adam as te_module
     mesh = init_device_mesh("cpu", (world,))
@@ -191,4 +191,8 @@ def te_patch_cases(rank: int, world: int, flavor: str):
     checks.run(PLAIN_CHECK, lambda: plain_tensor_training_is_bitwise_the_original(te_module.FusedAdam))
     if INIT_STATE_CHECK in DECLARED[flavor]:
         checks.run(INIT_STATE_CHECK, lambda: initialize_state_one_argument(te_module.FusedAdam))
-    return {"checks": checks.results, "facts": facts}
+    out = {"checks": checks.results, "facts": facts}
+    if fixes_dir is not None:   # te_fused_adam_empty_group_step on this class (tests/test_te_real.py's cases)
+        from tests.multirank.te_step_counter_cases import counter_cases
+        out["counter"] = counter_cases(rank, world, fixes_dir)
+    return out

@@ -159,11 +159,11 @@ def ulps_vs_te_plain(mesh, cls) -> int:
     return max(_ulps(full_of(a.detach()), b.detach()) for a, b in zip(dt, plain))
 
 
-def plain_bitwise(rank: int, world: int) -> dict:
+def plain_bitwise(rank: int, world: int, configs=tuple(CONFIGS)) -> dict:
     """Plain-tensor training with every patch applied vs reverted: bitwise, with a 1-ulp control."""
     from transformer_engine.pytorch.optimizers import FusedAdam
     out = {}
-    for config in CONFIGS:
+    for config in configs:
         runs = []
         for patched in (False, True):
             npu_fsdp_patches.revert() if not patched else npu_fsdp_patches.apply()
@@ -180,16 +180,26 @@ def plain_bitwise(rank: int, world: int) -> dict:
     return out
 
 
-def two_ranks(rank: int, world: int, configs: list, dcp_args: dict | None = None) -> dict:
-    """A release's 2-rank launch: ``dtensor_configs``; with ``dcp_args`` the DCP save of
-    tests/multirank/te_real_dcp_cases.py (under the import-time patches, which dtensor_configs
-    restores); last ``plain_bitwise``, which reverts and applies every patch."""
+def two_ranks(rank: int, world: int, configs: list, fixes_dir: str, dcp_args: dict | None = None) -> dict:
+    """A release's 2-rank launch: ``dtensor_configs`` (none for a release before DTensor support); with
+    ``dcp_args`` the DCP save of tests/multirank/te_real_dcp_cases.py (under the import-time patches,
+    which dtensor_configs restores); ``plain_bitwise``, which reverts and applies every patch; then the
+    step-counter and FP8-moment cases (tests/multirank/te_step_counter_cases.py, te_fp8_moment_cases.py,
+    each on TE's own code and patched, checkpoints under ``fixes_dir``)."""
+    from tests.multirank.te_fp8_moment_cases import fp8_cases
     from tests.multirank.te_real_dcp_cases import save_and_continue
-    out = {"configs": dtensor_configs(rank, world, configs)}
+    from tests.multirank.te_step_counter_cases import counter_cases
+    out = {"configs": dtensor_configs(rank, world, configs)} if configs else {}
     if dcp_args is not None:
         out["dcp"] = save_and_continue(rank, world, **dcp_args)
-    out["plain"] = plain_bitwise(rank, world)
+    out["plain"] = plain_bitwise(rank, world, configs or PLAIN_BEFORE_2_1)
+    out["counter"] = counter_cases(rank, world, fixes_dir)
+    out["fp8"] = fp8_cases() if rank == 0 else None
     return out
+
+
+#: the configs TE 1.x's constructor takes (no bf16 moments before 2.1)
+PLAIN_BEFORE_2_1 = ("fp32", "bf16_master", "fp16_moments", "decoupled")
 
 
 def three_ranks(rank: int, world: int, configs: list, dcp_args: dict) -> dict:

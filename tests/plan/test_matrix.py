@@ -51,17 +51,17 @@ def test_unreadable_matrix_file(tmp_path):
         load_matrix(tmp_path / "absent.yaml")
 
 
-def test_shipped_matrix_is_valid_and_lists_the_six_patches():
+def test_shipped_matrix_is_valid_and_lists_the_seven_patches():
     m = load_matrix()
     assert set(m.patches) == {"te_fused_adam_dtensor", "te_initialize_state_compat",
                               "te_multi_tensor_apply_empty_tail", "te_fused_adam_empty_scale",
-                              "hp_fp32_main_params", "hp_skip_dispatch_adamw"}
+                              "te_fused_adam_empty_group_step", "hp_fp32_main_params", "hp_skip_dispatch_adamw"}
     for spec in m.patches.values():
         assert spec.summary and spec.facts and spec.upstream and spec.verified, spec.name
     # the upstream history behind the gates is a field `explain` prints, not a comment in the YAML
     assert {name for name, spec in m.patches.items() if spec.why} == {
         "te_fused_adam_dtensor", "te_multi_tensor_apply_empty_tail", "te_fused_adam_empty_scale",
-        "hp_skip_dispatch_adamw"}
+        "te_fused_adam_empty_group_step", "hp_skip_dispatch_adamw"}
 
 
 def _import_survives(tmp_path, name: str, text: str):

@@ -10,7 +10,8 @@ from npu_fsdp_patches.plan import declarations, loader
 from npu_fsdp_patches.plan.matrix import load_matrix
 from tests.support import REPO_ROOT
 
-SHIPPED = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor", "te_fused_adam_empty_scale",
+SHIPPED = ["hp_fp32_main_params", "hp_skip_dispatch_adamw", "te_fused_adam_dtensor", "te_fused_adam_empty_group_step",
+           "te_fused_adam_empty_scale",
            "te_initialize_state_compat", "te_multi_tensor_apply_empty_tail"]
 BUILTINS = loader.builtin_declarations()
 
