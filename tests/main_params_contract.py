@@ -810,6 +810,7 @@ def add_param_group(run: Run) -> dict:
     opt = run.optimizer([w], model=Holder([w, b]))   # the model owns b before its group is added
     run.grads([w], 0)
     opt.step()
+    opt.defaults["weight_decay"] = 0.05   # seeds the next group, as on a plain optimizer
     opt.add_param_group({"params": [b], "lr": 0.1})
     complete = dict(opt.param_groups[1], params=[run.param(torch.ones(run.shape(3)))])
     if run.wrapped:   # a complete group appended as torch code appends it: the param must be the model's
@@ -825,8 +826,28 @@ def add_param_group(run: Run) -> dict:
         opt.step()
     return {"groups": [sorted(k for k in g if k != "params") for g in opt.param_groups],
             "lrs": [g["lr"] for g in opt.param_groups], "duplicate_refused": duplicate,
+            "weight_decay": [g["weight_decay"] for g in opt.param_groups],
             "truths": run.truths(opt, [w, b, complete["params"][0]]),
             "sd_groups": [g["params"] for g in opt.state_dict()["param_groups"]]}
+
+
+@case("test_rosenbrock_sparse (sparse grads: refused by Adam/AdamW/Muon, stepped by SGD)")
+def sparse_grads(run: Run) -> dict:
+    out = {}
+    for name, cls in (("kind", None), ("SGD", torch.optim.SGD)):
+        w = run.param(torch.randn(run.shape(4, 3), generator=torch.Generator().manual_seed(5)))
+        opt = run.optimizer([w], cls=cls, **({"lr": 0.1, "momentum": 0.9} if cls else {}))
+        gen = torch.Generator().manual_seed(6)
+        try:
+            for _ in range(3):
+                dense = torch.randn(w.shape, generator=gen) * (torch.rand(w.shape, generator=gen) > 0.5)
+                run.grad(w, dense)
+                w.grad = w.grad.to_sparse()
+                opt.step()
+            out[name] = {"truths": run.truths(opt, [w])}
+        except RuntimeError:
+            out[name] = "RuntimeError"
+    return out
 
 
 @case("add_param_group (duplicate params in one group: torch warns)")

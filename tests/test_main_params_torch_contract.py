@@ -19,6 +19,9 @@ from tests.main_params_model import make
 from tests.support import bit_mismatches
 
 CONFIGS = [(kind, dtype) for kind in contract.KINDS for dtype in contract.DTYPES]
+#: where the plain optimizer itself raises, so the wrapper must raise alike (torch's Muon takes no complex
+#: params); any other case that fails on both sides fails the test: it would prove nothing
+PLAIN_RAISES = {("muon", "complex_params"), ("muon", "complex_2d")}
 #: FSDP2 (fully_shard) trains on CPU from torch 2.7 (docs/contributing.md#running-the-tests)
 FSDP_ON_CPU = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
 
@@ -34,6 +37,7 @@ def test_the_wrapper_matches_the_plain_optimizer(name, config):
     wrapped = contract.outcome(case, contract.Run(kind, contract.DTYPES[dtype], wrapped=True))
     diffs = contract.differences(plain, wrapped)
     assert not diffs, f"{name} ({case.torch_test}) differs plain vs wrapped:\n  " + "\n  ".join(diffs[:6])
+    assert (plain[0] == "raises") == ((kind, name) in PLAIN_RAISES), f"the plain optimizer: {plain[:1]} {plain[1:]}"
 
 
 def test_the_comparison_catches_one_ulp_and_a_changed_outcome():
@@ -66,3 +70,86 @@ def test_the_wrapper_matches_the_plain_optimizer_on_two_ranks(two_ranks, name, c
     for rank, result in enumerate(two_ranks):
         diffs = result[f"{name}|{config[0]}|{config[1]}"]
         assert not diffs, f"rank {rank}: {name} differs plain vs wrapped over fully_shard:\n  " + "\n  ".join(diffs)
+
+
+# ---- the rows where the wrapper differs by design (docs/main_params.md#contract-with-torch-code) ----
+def _one_leaf(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(dtype)
+    return model, MainParamsOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+
+
+def _step(model, opt):
+    model(torch.randn(2, 4, dtype=next(model.parameters()).dtype)).float().pow(2).sum().backward()
+    opt.step()
+
+
+def test_documented_the_profiler_shows_the_leaf_steps_nested_in_the_wrapper_s():
+    model, opt = _one_leaf()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _step(model, opt)
+    names = [e.name for e in prof.events() if e.name.startswith("Optimizer.step#")]
+    assert names == ["Optimizer.step#MainParamsOptimizer.step", "Optimizer.step#AdamW.step"]
+    outer, inner = (next(e for e in prof.events() if e.name == n) for n in names)
+    assert outer.time_range.start <= inner.time_range.start and inner.time_range.end <= outer.time_range.end
+
+
+def test_documented_state_dict_adds_the_main_params_and_the_section():
+    model, opt = _one_leaf()
+    _step(model, opt)
+    plain = torch.optim.AdamW(model.parameters())
+    sd, plain_sd = opt.state_dict(), plain.state_dict()
+    assert set(sd) - set(plain_sd) == {contract.SECTION}
+    assert all(entry["main_param"] is opt.main_param(p) for entry, p in zip(sd["state"].values(), model.parameters()))
+
+
+def test_documented_repr_names_the_wrapper_and_prints_each_leaf():
+    _, opt = _one_leaf()
+    text = repr(opt)
+    assert text.startswith("MainParamsOptimizer with fp32 main params of 4 bf16/fp16 param(s) over (\nAdamW (")
+    assert repr(opt.leaf_optimizers[0]) in text
+
+
+def test_documented_a_new_group_appended_gets_its_defaults_and_main_params():
+    """torch appends the dict as is (a group without its defaults then fails at step); the wrapper must make
+    the group's main params, so it adds it as add_param_group does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(torch.bfloat16)
+    opt = MainParamsOptimizer(torch.optim.AdamW(model[0].parameters()), model)
+    opt.param_groups.append({"params": list(model[1].parameters()), "lr": 0.5})
+    assert opt.param_groups[1]["betas"] == (0.9, 0.999) and opt.param_groups[1]["lr"] == 0.5
+    assert all(p.main_param.dtype == torch.float32 for p in model[1].parameters())
+    plain = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    plain.param_groups.append({"params": [nn.Parameter(torch.ones(2))], "lr": 0.5})
+    assert "betas" not in plain.param_groups[1]
+
+
+def test_documented_a_tensor_key_that_is_no_model_param_is_refused_at_once():
+    """A plain optimizer takes it and fails later, in state_dict(); the wrapper refuses it naming why."""
+    model, opt = _one_leaf()
+    with pytest.raises(KeyError, match="fp32 main param of '0.weight'"):
+        opt.state[opt.main_param(model[0].weight)] = {}
+    plain = torch.optim.AdamW(model.parameters())
+    plain.state[torch.zeros(1)] = {}
+    with pytest.raises(KeyError):
+        plain.state_dict()
+
+
+def test_documented_defaults_and_groups_over_several_leaves_refuse_what_cannot_take_effect():
+    _, _, opt = make()
+    with pytest.raises(TypeError, match="defaults is read-only over several leaf optimizers"):
+        opt.defaults["lr"] = 1.0
+    with pytest.raises(ValueError, match="cannot tell which one takes the new group"):
+        opt.add_param_group({"params": []})
+    with pytest.raises(TypeError, match="removing, replacing or reordering groups is not supported"):
+        opt.param_groups.pop()
+
+
+def test_documented_state_keys_that_are_no_param_cannot_go_into_the_flattened_layout():
+    """Over hyper-parallel DTensors with several leaves the state dict is flattened (``state.<fqn>.<key>``):
+    a key that is no param has no place there, so saving warns naming it."""
+    model, _, opt = make()
+    opt.state["note"] = 1
+    flattened = {"state.body.weight.exp_avg": torch.zeros(1), "param_groups.body.weight.lr": 0.1}
+    with pytest.warns(UserWarning, match=r"no place for the optimizer state keys that are no param \(\[\"'note'\"\]\)"):
+        assert opt._with_non_param_state(dict(flattened)) == flattened

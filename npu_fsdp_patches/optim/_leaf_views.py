@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["MAIN_PARAM", "LeafState", "LeafParamGroups", "ModelParamGroup", "ReadOnlyDefaults"]
+__all__ = ["MAIN_PARAM", "LeafState", "LeafParamGroups", "ModelParamGroup", "LeafDefaults"]
 
 #: per-param state key of the fp32 main param of a bf16/fp16 param
 MAIN_PARAM = "main_param"
@@ -255,16 +255,13 @@ class LeafState(MutableMapping):
         return [leaf.state for leaf in self._leaves] + entries + [self._extras] + extras
 
 
-class ReadOnlyDefaults(Mapping):
-    """The first leaf optimizer's ``defaults``, readable but not writable.
+class LeafDefaults(MutableMapping):
+    """The first leaf optimizer's ``defaults``. Over one leaf, writes go to it (they seed the groups
+    :meth:`add_param_group` adds later, as on a plain optimizer); over several, writes are refused:
+    the wrapper cannot tell which leaf a later group goes to, so no write could take effect."""
 
-    Defaults only seed groups added later, and the wrapper takes no new groups, so a write here
-    could never take effect: it is refused instead of being dropped.
-    """
-
-    def __init__(self, defaults: dict, owner: str) -> None:
-        self._defaults = defaults
-        self._owner_name = owner
+    def __init__(self, defaults: dict, owner: str, writable: bool) -> None:
+        self._defaults, self._owner_name, self._writable = defaults, owner, writable
 
     def __getitem__(self, key: str) -> Any:
         return self._defaults[key]
@@ -276,9 +273,16 @@ class ReadOnlyDefaults(Mapping):
         return len(self._defaults)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        raise TypeError(f"{self._owner_name}.defaults is read-only: defaults only apply to groups "
-                        f"added later, which go to the leaf optimizer before wrapping; set "
-                        f"{key!r} on the param groups instead")
+        if not self._writable:
+            raise TypeError(f"{self._owner_name}.defaults is read-only over several leaf optimizers: "
+                            f"defaults only seed groups added later, which go to a leaf optimizer before "
+                            f"wrapping; set {key!r} on the param groups instead")
+        self._defaults[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if not self._writable:
+            self[key] = None   # refused, same message
+        del self._defaults[key]
 
     def __repr__(self) -> str:
         return repr(self._defaults)

@@ -44,6 +44,8 @@ def fp32_grad(grad: torch.Tensor, like: torch.Tensor, layout: tuple | None = Non
     position, so a grad strided unlike its param would be stepped against the wrong elements.
     ``layout``: the torch DTensor's global ``(shape, stride)`` as ints, when the caller knows it (under
     ``torch.compile`` a traced DTensor's ``stride()`` is symbolic, which ``DTensor.from_local`` cannot take)."""
+    if grad.is_sparse:   # a sparse grad stays sparse, as the leaf gets it on a plain optimizer
+        return grad.to(torch.float32)
     local, target = local_tensor(grad), local_tensor(like)
     if grad.dtype == torch.float32 and local.stride() == target.stride():
         return grad

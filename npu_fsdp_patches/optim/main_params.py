@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ModelParamGroup, ReadOnlyDefaults
+from ._leaf_views import MAIN_PARAM, LeafDefaults, LeafParamGroups, LeafState, ModelParamGroup
 from ._main_param_tensors import clear_grads, fp32_grad
 from ._main_params_fused import compiled_adam_step, fusable_leaf
 from ._main_params_build import (check_params, leaf_optimizers, main_params_for, record_wrap, reset_param_caches,
@@ -62,7 +62,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     bf16/fp16 param's state adds ``"main_param"``); the leaves themselves step on the main params.
     Writes reach the leaf that owns the param or group; new groups go to the leaf with their main
     params (:meth:`add_param_group`); writes that could not take effect (removing or replacing
-    groups, new defaults, reassigning the attributes) are refused. So LR schedulers, grad clipping,
+    groups, defaults over several leaves, reassigning the attributes) are refused. So LR schedulers, grad clipping,
     ``zero_grad`` and torch's distributed state-dict API behave as on a plain optimizer, and step and
     state-dict hooks (instance and global) fire as on a plain optimizer: the contract, row by row, is
     docs/main_params.md#contract-with-torch-code. :meth:`step` fires the step hooks once (global hooks
@@ -173,8 +173,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self._refuse_assignment("state")
 
     @property
-    def defaults(self) -> ReadOnlyDefaults:
-        return ReadOnlyDefaults(self.leaf_optimizers[0].defaults, type(self).__name__)
+    def defaults(self) -> LeafDefaults:
+        return LeafDefaults(self.leaf_optimizers[0].defaults, type(self).__name__,
+                            writable=len(self.leaf_optimizers) == 1)
 
     @defaults.setter
     def defaults(self, value: Any) -> None:
@@ -411,13 +412,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             native = native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=False)
             state_dict = fqn_layout(native, [f for g in groups for f in g], bool(flatten))
         state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
+        return self._with_non_param_state(state_dict)
+
+    def _with_non_param_state(self, state_dict: dict) -> dict:
+        """``state_dict`` with the ``state`` keys that are no param, as torch packs them (key and value as
+        they are); the flattened layout (hyper-parallel's, several leaves) has no place for them: warned."""
         if self._non_param_state:
             if "state" in state_dict:
-                state_dict["state"].update(self._non_param_state)   # as torch packs them: key and value as is
+                state_dict["state"].update(self._non_param_state)
             else:
                 warnings.warn(f"{type(self).__name__}.state_dict: the flattened layout has no place for the "
                               f"optimizer state keys that are no param ({sorted(map(repr, self._non_param_state))}"
-                              f"); they are not saved", UserWarning, stacklevel=3)
+                              f"); they are not saved", UserWarning, stacklevel=4)
         return state_dict
 
     def _group_fqns(self) -> list[list[str]]:
