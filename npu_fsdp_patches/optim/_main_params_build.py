@@ -115,6 +115,39 @@ def check_params(leaves: list[torch.optim.Optimizer], fqn_by_id: dict[int, str])
                 in_group.add(id(p))
 
 
+def check_new_group(leaves: list[torch.optim.Optimizer], param_group: Any, model: nn.Module,
+                    wrapped: set[int], owner: str) -> tuple[list, dict[int, str]]:
+    """The checks of ``add_param_group`` on a wrapper, before its first write, in torch's order and
+    wording where torch checks the same: one leaf to take the group, a dict, ordered params (a tensor, a
+    list, named ``(name, param)`` pairs), each a model param in no group yet. Returns the group's params
+    as a list and the model's ``{id(param): fqn}``."""
+    if len(leaves) != 1:
+        raise ValueError(f"{owner}.add_param_group: the wrapper steps {len(leaves)} leaf optimizers and cannot "
+                         f"tell which one takes the new group; add it to that leaf optimizer before wrapping")
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+    params = param_group.get("params")
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set) or params is None:
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                        "ordering of tensors in sets will change between runs. Please use a list instead.")
+    params = list(params)
+    fqn_by_id: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        fqn_by_id.setdefault(id(p), name)
+    for i, x in enumerate(params):
+        p = x[1] if isinstance(x, tuple) and len(x) == 2 else x
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}")
+        if id(p) not in fqn_by_id:
+            raise ValueError(f"param {i} of the new group is not a parameter of the model, so it has no FQN")
+        if id(p) in wrapped:
+            raise ValueError(f"some parameters appear in more than one parameter group "
+                             f"({fqn_by_id[id(p)]!r} is already in one)")
+    return params, fqn_by_id
+
+
 def main_params_for(params: list, fqn_by_id: dict[int, str]) -> tuple[list, list, list, list, list]:
     """What a leaf steps for one group's ``params``: each bf16/fp16 param replaced by a new fp32 main
     param (a param repeated in the group keeps one); every other param is its own (fp32, float64,

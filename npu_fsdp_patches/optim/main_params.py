@@ -35,8 +35,8 @@ from torch import nn
 from ._leaf_views import MAIN_PARAM, LeafDefaults, LeafParamGroups, LeafState, ModelParamGroup
 from ._main_param_tensors import clear_grads, fp32_grad
 from ._main_params_fused import compiled_adam_step, fusable_leaf
-from ._main_params_build import (check_params, leaf_optimizers, main_params_for, record_wrap, reset_param_caches,
-                                 swap_in_main_params)
+from ._main_params_build import (check_new_group, check_params, leaf_optimizers, main_params_for, record_wrap,
+                                 reset_param_caches, swap_in_main_params)
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
                                  merge_rfc_section, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
@@ -227,40 +227,14 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         defaults and checks it. A wrapper over several leaf optimizers cannot tell which leaf is meant:
         add the group to that leaf before wrapping. Every check runs before the first write; a failure
         after it (the leaf's own ``add_param_group``) is rolled back."""
-        if len(self.leaf_optimizers) != 1:
-            raise ValueError(f"{type(self).__name__}.add_param_group: the wrapper steps "
-                             f"{len(self.leaf_optimizers)} leaf optimizers and cannot tell which one takes "
-                             f"the new group; add it to that leaf optimizer before wrapping")
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
-        params = param_group.get("params")
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set) or params is None:
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
-                            "ordering of tensors in sets will change between runs. Please use a list instead.")
-        params = list(params)
-        named = bool(params) and all(isinstance(x, tuple) and len(x) == 2 for x in params)
+        params, fqn_by_id = check_new_group(self.leaf_optimizers, param_group, self.model,
+                                            {id(model) for model, _ in self._fqns}, type(self).__name__)
+        named = bool(params) and all(isinstance(x, tuple) for x in params)
         tensors = [x[1] if named else x for x in params]
-        fqn_by_id: dict[int, str] = {}
-        for name, p in self.model.named_parameters():
-            fqn_by_id.setdefault(id(p), name)
-        wrapped = {id(model) for model, _ in self._fqns}
-        for i, p in enumerate(tensors):   # every check before the first write
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer can only optimize Tensors, but one of the params is "
-                                f"{torch.typename(p)}")
-            if id(p) not in fqn_by_id:
-                raise ValueError(f"param {i} of the new group is not a parameter of the model, so it has no FQN")
-            if id(p) in wrapped:
-                raise ValueError(f"some parameters appear in more than one parameter group "
-                                 f"({fqn_by_id[id(p)]!r} is already in one)")
         leaf = self.leaf_optimizers[0]
         rollback = Rollback()
-        rollback.optimizer(leaf)
+        record_wrap(rollback, self.optimizer, self.leaf_optimizers, self.model)
         rollback.attrs(self)
-        for p in tensors:
-            rollback.attrs(p)
         try:
             stepped, float16, mains, fp32, fqns = main_params_for(tensors, fqn_by_id)
             leaf_params = [(x[0], main) for x, main in zip(params, stepped)] if named else stepped
