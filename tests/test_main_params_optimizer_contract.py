@@ -134,6 +134,8 @@ def test_param_group_writes_reach_the_leaf_and_structural_changes_are_refused():
             change(opt.param_groups)
     with pytest.raises(AttributeError, match="param_groups is a view"):
         opt.param_groups = []
+    with pytest.raises(TypeError, match="params are fixed when the group is made.*add_param_group"):
+        opt.param_groups[0]["params"] = []
     with pytest.raises(TypeError, match="defaults is read-only"):
         opt.defaults["lr"] = 1.0
     with pytest.raises(ValueError, match="2 leaf optimizers and cannot tell which one"):

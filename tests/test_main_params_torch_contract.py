@@ -153,3 +153,25 @@ def test_documented_state_keys_that_are_no_param_cannot_go_into_the_flattened_la
     flattened = {"state.body.weight.exp_avg": torch.zeros(1), "param_groups.body.weight.lr": 0.1}
     with pytest.warns(UserWarning, match=r"no place for the optimizer state keys that are no param \(\[\"'note'\"\]\)"):
         assert opt._with_non_param_state(dict(flattened)) == flattened
+
+
+@pytest.mark.skipif(not FSDP_ON_CPU, reason=f"the one-graph compiled step needs torch >= 2.7; this is torch {torch.__version__}")
+def test_a_compiled_step_over_float64_and_complex_params_equals_torch_s_compiled_step():
+    """float64 and complex params are their own main params: the one-graph compiled step hands them their
+    grads in their own dtype, so it equals torch's own compiled AdamW over them, bit for bit."""
+    def run(wrap):
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.d = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        model.c = nn.Parameter(torch.randn(2, dtype=torch.complex64))
+        leaf = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        opt = MainParamsOptimizer(leaf, model) if wrap else leaf
+        step = torch.compile(opt.step, backend="aot_eager")
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            step()
+        return [p.detach().clone() for p in model.parameters()]
+    for plain, wrapped in zip(run(False), run(True)):
+        assert bit_mismatches(plain, wrapped) == (0, "")

@@ -43,8 +43,8 @@ class ModelParamGroup(MutableMapping):
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "params":
-            raise TypeError(f"{self._owner_name}: a param group's params are fixed when the wrapper is "
-                            f"built; change the leaf optimizer before wrapping it")
+            raise TypeError(f"{self._owner_name}: a param group's params are fixed when the group is "
+                            f"made (their main params are made then); add params with add_param_group")
         self._group[key] = value
 
     def __delitem__(self, key: str) -> None:
