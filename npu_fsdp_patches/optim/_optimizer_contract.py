@@ -5,19 +5,18 @@ wrapper exposes as views of its inner optimizers; so a wrapper cannot call it. W
 sets up, hooks registered on the wrapper are accepted and never fire. This module sets up the same
 hook tables and step patch, and runs the state-dict hooks exactly as ``Optimizer.state_dict`` and
 ``Optimizer.load_state_dict`` do (torch/optim/optimizer.py). A wrapper's step is one step to torch
-code: :func:`global_step_hooks_paused` keeps the global step hooks from also firing for its leaves.
+code: :func:`pause_global_step_hooks` keeps the global step hooks from also firing for its leaves.
 """
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch.optim import optimizer as torch_optimizer
 
 __all__ = ["init_optimizer_contract", "run_state_dict_hooks", "run_load_state_dict_hooks",
-           "global_step_hooks_paused", "split_non_param_state"]
+           "pause_global_step_hooks", "resume_global_step_hooks", "split_non_param_state"]
 
 _GLOBAL_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 
@@ -77,25 +76,29 @@ def split_non_param_state(state_dict: dict, names: set[str]) -> tuple[dict, dict
     return {**state_dict, "state": {k: v for k, v in state.items() if k not in others}}, others
 
 
-@contextlib.contextmanager
-def global_step_hooks_paused() -> Iterator[None]:
-    """While the wrapper's leaves step: torch's global step hooks (``register_optimizer_step_pre_hook``
-    and ``..._post_hook``) see no leaf step, so around one ``wrapper.step()`` they fire once, for the
-    wrapper, as around a plain optimizer's step (a profiler or step counter sees one step). The leaves'
-    own instance hooks still fire. torch's hooked ``step`` reads the two tables as module globals at
-    call time, so they are swapped for empty ones and put back. Handles keep pointing at the real
-    tables, so a hook removed meanwhile (by a leaf's own hook) stays removed; one registered meanwhile
-    is kept, though its handle, bound to the empty table, cannot remove it. Not thread-safe: another
-    thread's optimizer stepping meanwhile would miss the global hooks too."""
+def pause_global_step_hooks() -> list | None:
+    """Before the wrapper's leaves step: torch's global step hooks (``register_optimizer_step_pre_hook``
+    and ``..._post_hook``) are to see no leaf step, so around one ``wrapper.step()`` they fire once, for the
+    wrapper, as around a plain optimizer's step (a profiler or step counter sees one step). The leaves' own
+    instance hooks still fire. torch's hooked ``step`` reads the two tables as module globals at call time,
+    so they are swapped for empty ones; :func:`resume_global_step_hooks` puts them back. Returns what it
+    took (``None``: no global hook, nothing done, the usual case). Handles keep pointing at the real tables,
+    so a hook removed meanwhile (by a leaf's own hook) stays removed; one registered meanwhile is kept,
+    though its handle, bound to the empty table, cannot remove it. Not thread-safe: another thread's
+    optimizer stepping meanwhile would miss the global hooks too. (Two plain calls, not a context manager:
+    torch 2.6's dynamo graph-breaks on entering a generator-based one, in every compiled step.)"""
     saved = [getattr(torch_optimizer, name) for name in _GLOBAL_HOOKS]
-    if not any(saved):   # the usual case: nothing to pause
-        yield
-        return
+    if not any(saved):
+        return None
     for name in _GLOBAL_HOOKS:
         setattr(torch_optimizer, name, OrderedDict())
-    try:
-        yield
-    finally:
-        for name, table in zip(_GLOBAL_HOOKS, saved):
-            table.update(getattr(torch_optimizer, name))
-            setattr(torch_optimizer, name, table)
+    return saved
+
+
+def resume_global_step_hooks(saved: list | None) -> None:
+    """Undo :func:`pause_global_step_hooks` (given what it returned)."""
+    if saved is None:
+        return
+    for name, table in zip(_GLOBAL_HOOKS, saved):
+        table.update(getattr(torch_optimizer, name))
+        setattr(torch_optimizer, name, table)

@@ -40,8 +40,8 @@ from ._main_params_build import (check_new_group, check_params, leaf_optimizers,
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
                                  merge_rfc_section, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
-from ._optimizer_contract import (global_step_hooks_paused, init_optimizer_contract, run_load_state_dict_hooks,
-                                  run_state_dict_hooks, split_non_param_state)
+from ._optimizer_contract import (init_optimizer_contract, pause_global_step_hooks, resume_global_step_hooks,
+                                  run_load_state_dict_hooks, run_state_dict_hooks, split_non_param_state)
 from ._rollback import Rollback
 from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
 
@@ -293,12 +293,15 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         from it: the model may have been loaded since, and torch's priming step would otherwise
         copy the stale values over it."""
         self._refresh_derived_main_params()
-        with global_step_hooks_paused():   # one step to torch code: the global hooks fire for the wrapper only
+        paused = pause_global_step_hooks()   # one step to torch code: global hooks fire for the wrapper only
+        try:
             if isinstance(self.optimizer, (list, tuple, dict)):
                 for leaf in self.leaf_optimizers:
                     leaf.step()
             else:
                 self.optimizer.step()   # a chained optimizer keeps its own step order
+        finally:
+            resume_global_step_hooks(paused)
         self._finish_step(self.param_groups)
         return True
 
