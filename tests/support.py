@@ -47,6 +47,17 @@ def install_fixture(name: str, dest: Path) -> Path:
     return site
 
 
+def load_fixture_module(relpath: str) -> Any:
+    """A plain module of ``tests/fixtures`` loaded by path (a stand-in that must not be importable by its
+    upstream name, so no fixture tree grows the module a patch probes for)."""
+    import importlib.util
+    path = FIXTURES / relpath
+    spec = importlib.util.spec_from_file_location(f"fixture_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_python(code: str, *, paths: Iterable[Path] = (), env: dict | None = None,
                timeout: float = 180, cwd: Path | None = None,
                check: bool = True) -> subprocess.CompletedProcess:

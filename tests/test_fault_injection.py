@@ -15,6 +15,7 @@ from torch import nn
 from npu_fsdp_patches.optim import FusedAdam, MainParamsOptimizer, apply_model_init_dtype
 from npu_fsdp_patches.optim.main_params_checkpoint import load_checkpoint, save_checkpoint
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, split_muon_adamw_params
+from npu_fsdp_patches.optim._rollback import Rollback
 from tests.fault_injection import Entry, check_entry
 from tests.main_params_model import Net, backward, make, make_chain
 from tests.core_demo import late_demo_site
@@ -56,6 +57,71 @@ def _with_f64():
     model = Net().to(torch.bfloat16)
     model.extra = nn.Parameter(torch.ones(3, dtype=torch.float64))
     return {"model": model, "optimizer": torch.optim.AdamW(model.parameters())}
+
+
+def _inner_wrapper(steps=3):
+    """A bf16 model and a MainParamsOptimizer over AdamW that stepped ``steps`` times (issue 42)."""
+    handed = _plain()
+    model = handed["model"]
+    inner = MainParamsOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    for s in range(steps):
+        backward(model, s)
+        inner.step()
+        inner.zero_grad()
+    return {"model": model, "optimizer": inner}
+
+
+def _master_leaf(make, steps=1):
+    """A bf16 model and a leaf that keeps fp32 masters of its own, stepped ``steps`` times."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    leaf = make(list(model.parameters()))
+    for s in range(steps):
+        backward(model, s)
+        leaf.step()
+        leaf.zero_grad()
+    return {"model": model, "optimizer": leaf}
+
+
+def _veomni_master(cls_name):
+    from tests.support import load_fixture_module
+    return getattr(load_fixture_module("veomni_master_fp32/master_fp32_adamw.py"), cls_name)
+
+
+def _edit_through_views(h):
+    """Writes through a wrapper's views (a group's lr, a state entry, a key that is no param), undone from
+    a Rollback taken of the wrapper itself: it records what the views show (issue 42)."""
+    wrapper, w = h["wrapper"], h["model"].body.weight
+    rollback = Rollback()
+    rollback.optimizer(wrapper)
+    try:
+        wrapper.param_groups[0]["lr"] = 0.5
+        wrapper.state["note"] = 1
+        wrapper.state[w]["exp_avg_sq"] = torch.zeros(1)
+        del wrapper.state[w]
+        raise ValueError("refused after the writes")
+    except BaseException:
+        rollback.restore()
+        raise
+
+
+def _add_group(h):
+    h["wrapper"].add_param_group({"params": [h["model"].lm_head.weight], "lr": 0.5})
+
+
+def _one_leaf_wrapper(params_of=lambda m: [m.embed.weight, m.body.weight, m.body.bias]):
+    """A wrapper over one AdamW that holds some of the model's params, stepped once."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    leaf = torch.optim.AdamW(params_of(model), lr=1e-2)
+    wrapper = MainParamsOptimizer(leaf, model)
+    backward(model)
+    wrapper.step()
+    return {"model": model, "optimizer": leaf, "wrapper": wrapper}
+
+
+def _with_note(sd):
+    sd["state"]["note"] = {"epoch": 3}
 
 
 def _fresh_chain():
@@ -204,7 +270,19 @@ def entries(tmp):
     return [
         Entry("wrap AdamW", _plain, _wrap),
         Entry("wrap Muon+AdamW chain", _fresh_chain, _wrap),
-        Entry("wrap: float64 param among bf16", _with_f64, _wrap, TypeError),
+        Entry("wrap: float64 param among bf16", _with_f64, _wrap),
+        Entry("wrap: a param twice in one group", lambda: (lambda m: {"model": m, "optimizer": torch.optim.AdamW(
+            [m.body.weight, m.body.weight, m.body.bias])})(Net().to(torch.bfloat16)), _wrap),
+        Entry("wrap: a MainParamsOptimizer that stepped 3 times", _inner_wrapper, _wrap, TypeError),
+        Entry("wrap: a chain holding a MainParamsOptimizer", lambda: (lambda h: {
+            "model": h["model"], "optimizer": OptimizerChain({"inner": h["optimizer"]})})(_inner_wrapper()),
+              _wrap, TypeError),
+        Entry("wrap: our FusedAdam(master_weights=True)", lambda: _master_leaf(
+            lambda ps: FusedAdam(ps, lr=1e-2, master_weights=True)), _wrap, TypeError),
+        Entry("wrap: veomni MasterFP32AdamW, stepped", lambda: _master_leaf(
+            lambda ps: _veomni_master("MasterFP32AdamW")(ps, lr=1e-2)), _wrap, TypeError),
+        Entry("wrap: veomni FullFP32AdamW, before its first step", lambda: _master_leaf(
+            lambda ps: _veomni_master("FullFP32AdamW")(ps, lr=1e-2), steps=0), _wrap, TypeError),
         Entry("wrap: param not in the model", lambda: _plain([nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]),
               _wrap, ValueError),
         Entry("wrap: param twice", lambda: (lambda m: {"model": m, "optimizer": [
@@ -213,6 +291,12 @@ def entries(tmp):
         Entry("wrap: stale reference", _stale, _wrap, TypeError),
         Entry("wrap: chain reset, then stale reference", _reset_then_stale, _wrap, TypeError),
         Entry("load_state_dict", lambda: _loaded(lambda sd: None), _load),
+        Entry("load_state_dict: a state key that is no param", lambda: _loaded(_with_note), _load),
+        Entry("writes through the views, rolled back", lambda: _loaded(lambda sd: None), _edit_through_views,
+              ValueError),
+        Entry("add_param_group", _one_leaf_wrapper, _add_group),
+        Entry("add_param_group: a param already wrapped", lambda: _one_leaf_wrapper(
+            lambda m: [m.embed.weight, m.body.weight, m.lm_head.weight]), _add_group, ValueError),
         Entry("load_state_dict: plain optimizer's state", lambda: _loaded(_plain_state), _load),
         Entry("load_state_dict: 2nd main_param wrong shape", lambda: _loaded(_second_main_param_wrong_shape),
               _load, ValueError),

@@ -265,7 +265,8 @@ def test_foreach_adamw_step_matches_torch_foreach_adam(case):
 @example(case=_case("main_params", [_p([3], "bfloat16")], {**MAIN, "add_group_after_wrap": True}))
 def test_main_params_matches_an_fp32_master_reference(case):
     """Main params bit-equal to the same leaf optimizer on fp32 copies, model params equal to them
-    rounded; float64/complex params and add_param_group on the wrapper refused naming the reason."""
+    rounded; float64/complex params (their own main params) and add_param_group on the wrapper as on the
+    leaf optimizer (issue 42)."""
     _assert_documented(case)
 
 

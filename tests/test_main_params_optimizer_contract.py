@@ -48,9 +48,8 @@ def test_instance_and_global_step_hooks_fire_around_the_step():
     mine = [(name, value) for name, who, value in log if who is opt]
     assert [name for name, _ in mine] == ["global_pre", "pre", "post", "global_post"]
     assert mine[0][1] == mine[1][1] != mine[2][1] == mine[3][1]     # pre before, post after the update
-    leaves = {id(who) for _, who, _ in log if who is not opt}       # leaves' own steps, as torch's
-    assert leaves == {id(leaf) for leaf in opt.leaf_optimizers}      # ZeroRedundancyOptimizer shows
-    log.clear()
+    assert [who for _, who, _ in log if who is not opt] == []        # one step to torch code: the global
+    log.clear()                                                      # hooks do not see the leaves' steps
     backward(model, 1)
     opt.step()
     assert log == []                                                 # removed handles stay removed
@@ -129,16 +128,17 @@ def test_param_group_writes_reach_the_leaf_and_structural_changes_are_refused():
     _, chain, opt = make()
     opt.param_groups[1]["lr"] = 0.5
     assert chain.optimizers_dict["muon"].param_groups[0]["lr"] == 0.5
-    for change in (lambda g: g.append({"params": []}), lambda g: g.pop(), lambda g: g.clear(),
-                   lambda g: g.__setitem__(0, {}), lambda g: g.__delitem__(0),
-                   lambda g: g.extend([]), lambda g: g.__iadd__([])):
+    for change in (lambda g: g.pop(), lambda g: g.clear(), lambda g: g.insert(0, {}),
+                   lambda g: g.__setitem__(0, {}), lambda g: g.__delitem__(0), lambda g: g.reverse()):
         with pytest.raises(TypeError, match="view of the wrapped optimizers' param groups"):
             change(opt.param_groups)
     with pytest.raises(AttributeError, match="param_groups is a view"):
         opt.param_groups = []
+    with pytest.raises(TypeError, match="params are fixed when the group is made.*add_param_group"):
+        opt.param_groups[0]["params"] = []
     with pytest.raises(TypeError, match="defaults is read-only"):
         opt.defaults["lr"] = 1.0
-    with pytest.raises(NotImplementedError, match="before wrapping"):
+    with pytest.raises(ValueError, match="2 leaf optimizers and cannot tell which one"):
         opt.add_param_group({"params": []})
     copied = copy.deepcopy(opt.param_groups)
     assert type(copied) is list and copied[1]["lr"] == 0.5

@@ -7,7 +7,11 @@ model params and ``state`` is keyed by model params, while the leaf optimizers s
 main params behind them. A low-precision param's state also holds its fp32 main param under
 ``"main_param"`` (as Transformer Engine's ``FusedAdam`` keeps ``master_param``). Every write goes
 to the leaf optimizer that owns the param or group; a write that has no owner is refused with an
-error saying what to do instead.
+error saying what to do instead. A key of ``state`` that is no tensor (``opt.state["note"] = 1``, as
+torch's state-dict hook tests write) is kept by the wrapper itself, as a plain optimizer keeps it.
+
+Every view names the containers it writes through to (``rollback_targets()``), so an undo record
+(:mod:`._rollback`) taken of a view records them.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["MAIN_PARAM", "LeafState", "LeafParamGroups", "ModelParamGroup", "ReadOnlyDefaults"]
+__all__ = ["MAIN_PARAM", "LeafState", "LeafParamGroups", "ModelParamGroup", "LeafDefaults"]
 
 #: per-param state key of the fp32 main param of a bf16/fp16 param
 MAIN_PARAM = "main_param"
@@ -39,8 +43,8 @@ class ModelParamGroup(MutableMapping):
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "params":
-            raise TypeError(f"{self._owner_name}: a param group's params are fixed when the wrapper is "
-                            f"built; change the leaf optimizer before wrapping it")
+            raise TypeError(f"{self._owner_name}: a param group's params are fixed when the group is "
+                            f"made (their main params are made then); add params with add_param_group")
         self._group[key] = value
 
     def __delitem__(self, key: str) -> None:
@@ -60,31 +64,60 @@ class ModelParamGroup(MutableMapping):
     def __reduce_ex__(self, protocol: Any) -> tuple:
         return dict, (dict(self),)   # copies and pickles are plain dicts
 
+    def leaf_group(self) -> dict:
+        """The leaf optimizer's own group dict this view shows."""
+        return self._group
+
+    def rollback_targets(self) -> list:
+        return [self._group, self._group["params"]]
+
 
 class LeafParamGroups(list):
     """The leaf optimizers' param groups, in leaf order, as :class:`ModelParamGroup` views.
 
-    Adding, removing or replacing whole groups is refused: the wrapper's main params are made when
-    it is built, so groups belong on the leaf optimizer before wrapping.
+    ``append``/``extend``/``+=`` go to ``add(group)`` (the wrapper's: a group of the view is repeated in
+    its leaf, as torch's ``param_groups.extend(param_groups)`` repeats it; a new group is added with its
+    main params). Removing, replacing or reordering groups is refused: their params' main params and
+    state would be orphaned.
     """
 
     _REFUSAL = ("{owner}.param_groups is a view of the wrapped optimizers' param groups: edit a "
-                "group's entries in place (group['lr'] = ...); add, remove or replace groups on the "
-                "leaf optimizer before wrapping it")
+                "group's entries in place (group['lr'] = ...) and add groups with append/extend or "
+                "add_param_group; removing, replacing or reordering groups is not supported (their "
+                "params' main params and state would be orphaned): build a new optimizer instead")
 
-    def __init__(self, leaves: list[torch.optim.Optimizer], model_of: ModelOf, owner: str) -> None:
+    def __init__(self, leaves: list[torch.optim.Optimizer], model_of: ModelOf, owner: str,
+                 add: Callable[[Any], None] | None = None) -> None:
         super().__init__(ModelParamGroup(group, model_of, owner)
                          for leaf in leaves for group in leaf.param_groups)
-        self._owner_name = owner
+        self._leaves, self._owner_name, self._add = leaves, owner, add
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(self._REFUSAL.format(owner=self._owner_name))
 
+    def append(self, group: Any) -> None:
+        if self._add is None:
+            self._refuse()
+        self._add(group)
+        list.append(self, group)
+
+    def extend(self, groups: Any) -> None:
+        for group in list(groups):   # a list of the view itself: its groups as they are now
+            self.append(group)
+
+    def __iadd__(self, groups: Any) -> "LeafParamGroups":
+        self.extend(groups)
+        return self
+
     def __reduce_ex__(self, protocol: Any) -> tuple:
         return list, (list(self),)   # copies and pickles are plain lists
 
-    append = extend = insert = remove = pop = clear = sort = reverse = _refuse
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+    def rollback_targets(self) -> list:
+        groups = [group for leaf in self._leaves for group in leaf.param_groups]
+        return [leaf.param_groups for leaf in self._leaves] + groups + [g["params"] for g in groups]
+
+    insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __imul__ = _refuse
 
 
 class MainParamEntry(MutableMapping):
@@ -119,6 +152,9 @@ class MainParamEntry(MutableMapping):
     def __repr__(self) -> str:
         return repr(dict(self))
 
+    def rollback_targets(self) -> list:
+        return [self._state]
+
 
 class LeafState(MutableMapping):
     """``{model_param: state}`` across the leaf optimizers; reads and writes go to the owning leaf.
@@ -126,15 +162,20 @@ class LeafState(MutableMapping):
     A param is in the view exactly when its leaf optimizer holds state for its main param, so the
     view is empty exactly when the leaves are (torch's ``_init_optim_state`` primes an optimizer
     whose ``state`` is empty). Like a plain optimizer's ``state`` (a ``defaultdict(dict)``), reading
-    a param that has no state yet creates its empty dict, in its leaf. A key that is no model param
-    of the wrapped optimizers is refused: ``describe(key)`` says why.
+    a param that has no state yet creates its empty dict, in its leaf. A tensor key that is no model
+    param of the wrapped optimizers is refused (``describe(key)`` says why; a plain optimizer would
+    fail later, in ``state_dict()``). Any other key (``state["note"]``) lives in ``extras``, the
+    wrapper's own dict, as it would in a plain optimizer's ``state``: listed after the params, saved
+    by ``state_dict()`` and restored by ``load_state_dict()``.
     """
 
     def __init__(self, leaves: list[torch.optim.Optimizer], main_of: Callable[[Any], Any],
-                 model_of: ModelOf, describe: Callable[[Any], str], copy_into: CopyInto) -> None:
+                 model_of: ModelOf, describe: Callable[[Any], str], copy_into: CopyInto,
+                 extras: dict | None = None) -> None:
         self._leaves = leaves
         self._main_of, self._model_of = main_of, model_of
         self._describe, self._copy_into = describe, copy_into
+        self._extras = {} if extras is None else extras
         self._owner_by_id: dict[int, torch.optim.Optimizer] = {}
 
     def _owner(self, param: Any) -> tuple[torch.optim.Optimizer | None, Any]:
@@ -159,10 +200,15 @@ class LeafState(MutableMapping):
         return leaf_state if main is param else MainParamEntry(leaf_state, main, self._copy_into)
 
     def __getitem__(self, param: Any) -> Any:
+        if not isinstance(param, torch.Tensor):
+            return self._extras.setdefault(param, {})   # defaultdict(dict), as torch's state
         leaf, main = self._leaf_for(param)
         return self._entry(leaf.state[main], main, param)
 
     def __setitem__(self, param: Any, value: Any) -> None:
+        if not isinstance(param, torch.Tensor):
+            self._extras[param] = value
+            return
         leaf, main = self._leaf_for(param)
         if main is param:
             leaf.state[main] = value
@@ -174,10 +220,15 @@ class LeafState(MutableMapping):
             self._copy_into(main, saved_main)
 
     def __delitem__(self, param: Any) -> None:
+        if not isinstance(param, torch.Tensor):
+            del self._extras[param]
+            return
         leaf, main = self._leaf_for(param)
         del leaf.state[main]
 
     def __contains__(self, param: object) -> bool:
+        if not isinstance(param, torch.Tensor):
+            return param in self._extras
         leaf, main = self._owner(param)
         return leaf is not None and main in leaf.state
 
@@ -188,24 +239,29 @@ class LeafState(MutableMapping):
         for leaf in self._leaves:
             for main in list(leaf.state):
                 yield self._model_of(main)
+        yield from list(self._extras)
 
     def __len__(self) -> int:
-        return sum(len(leaf.state) for leaf in self._leaves)
+        return sum(len(leaf.state) for leaf in self._leaves) + len(self._extras)
 
     def __repr__(self) -> str:
-        return f"LeafState({len(self)} params over {len(self._leaves)} leaf optimizer(s))"
+        extras = f" and {len(self._extras)} other key(s)" if self._extras else ""
+        return (f"LeafState({len(self) - len(self._extras)} params over {len(self._leaves)} leaf "
+                f"optimizer(s){extras})")
+
+    def rollback_targets(self) -> list:
+        entries = [entry for leaf in self._leaves for entry in leaf.state.values() if isinstance(entry, dict)]
+        extras = [value for value in self._extras.values() if isinstance(value, dict)]
+        return [leaf.state for leaf in self._leaves] + entries + [self._extras] + extras
 
 
-class ReadOnlyDefaults(Mapping):
-    """The first leaf optimizer's ``defaults``, readable but not writable.
+class LeafDefaults(MutableMapping):
+    """The first leaf optimizer's ``defaults``. Over one leaf, writes go to it (they seed the groups
+    :meth:`add_param_group` adds later, as on a plain optimizer); over several, writes are refused:
+    the wrapper cannot tell which leaf a later group goes to, so no write could take effect."""
 
-    Defaults only seed groups added later, and the wrapper takes no new groups, so a write here
-    could never take effect: it is refused instead of being dropped.
-    """
-
-    def __init__(self, defaults: dict, owner: str) -> None:
-        self._defaults = defaults
-        self._owner_name = owner
+    def __init__(self, defaults: dict, owner: str, writable: bool) -> None:
+        self._defaults, self._owner_name, self._writable = defaults, owner, writable
 
     def __getitem__(self, key: str) -> Any:
         return self._defaults[key]
@@ -217,9 +273,19 @@ class ReadOnlyDefaults(Mapping):
         return len(self._defaults)
 
     def __setitem__(self, key: str, value: Any) -> None:
-        raise TypeError(f"{self._owner_name}.defaults is read-only: defaults only apply to groups "
-                        f"added later, which go to the leaf optimizer before wrapping; set "
-                        f"{key!r} on the param groups instead")
+        if not self._writable:
+            raise TypeError(f"{self._owner_name}.defaults is read-only over several leaf optimizers: "
+                            f"defaults only seed groups added later, which go to a leaf optimizer before "
+                            f"wrapping; set {key!r} on the param groups instead")
+        self._defaults[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if not self._writable:
+            self[key] = None   # refused, same message
+        del self._defaults[key]
 
     def __repr__(self) -> str:
         return repr(self._defaults)
+
+    def rollback_targets(self) -> list:
+        return [self._defaults]

@@ -37,21 +37,25 @@ def fp32_main_param(p: torch.Tensor) -> nn.Parameter:
 
 
 def fp32_grad(grad: torch.Tensor, like: torch.Tensor, layout: tuple | None = None) -> torch.Tensor:
-    """``grad`` as an fp32 local shard laid out like ``like`` (the main param it is for), with its
-    DTensor layout kept; an fp32 grad that already has that layout is returned as is (no copy).
+    """``grad`` as a local shard of ``like``'s dtype and layout (``like`` is the main param it is for:
+    fp32 for a bf16/fp16 param; a float64 or complex param is its own), with its DTensor layout kept; a
+    grad that already has them is returned as is (no copy).
 
     The layout matters: torch's fused optimizer kernels pair param, grad and state elements by memory
     position, so a grad strided unlike its param would be stepped against the wrong elements.
     ``layout``: the torch DTensor's global ``(shape, stride)`` as ints, when the caller knows it (under
     ``torch.compile`` a traced DTensor's ``stride()`` is symbolic, which ``DTensor.from_local`` cannot take)."""
+    dtype = like.dtype
+    if grad.is_sparse:   # a sparse grad stays sparse, as the leaf gets it on a plain optimizer
+        return grad.to(dtype)
     local, target = local_tensor(grad), local_tensor(like)
-    if grad.dtype == torch.float32 and local.stride() == target.stride():
+    if grad.dtype == dtype and local.stride() == target.stride():
         return grad
     if local.shape == target.shape:
-        cast = torch.empty_like(target, dtype=torch.float32)
+        cast = torch.empty_like(target)
         cast.copy_(local)
     else:   # a wrong shape is the leaf optimizer's to refuse; never broadcast it here
-        cast = local.to(**_CONTIGUOUS_FP32)
+        cast = local.to(dtype=dtype, memory_format=torch.contiguous_format)
     if is_foreign_dtensor(grad):
         return type(grad).from_local(cast, grad.device_mesh, grad.placements)
     if is_torch_dtensor(grad):   # cast the local shard: skips DTensor dispatch, adds no collective

@@ -95,9 +95,9 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
         for main, model, grad in entries:
             local_main, local_grad = local_tensor(main), local_tensor(grad)
-            cast = local_grad.dtype != torch.float32 or local_grad.stride() != local_main.stride()
+            cast = local_grad.dtype != local_main.dtype or local_grad.stride() != local_main.stride()
             if cast:   # handed to the update only, never stored: inductor fuses it into the update's reads
-                local_grad = torch.empty_like(local_main, dtype=torch.float32).copy_(local_grad)
+                local_grad = torch.empty_like(local_main).copy_(local_grad)   # fp32, or a float64/complex param's own
             if model is not None:
                 if not cast:
                     main.grad = grad   # an fp32 main_grad is the main param's grad, no copy

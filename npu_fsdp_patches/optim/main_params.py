@@ -32,15 +32,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._leaf_views import MAIN_PARAM, LeafParamGroups, LeafState, ReadOnlyDefaults
+from ._leaf_views import MAIN_PARAM, LeafDefaults, LeafParamGroups, LeafState, ModelParamGroup
 from ._main_param_tensors import clear_grads, fp32_grad
 from ._main_params_fused import compiled_adam_step, fusable_leaf
-from ._main_params_build import (check_params, leaf_optimizers, record_wrap, reset_param_caches,
-                                 swap_in_main_params)
+from ._main_params_build import (check_new_group, check_params, leaf_optimizers, main_params_for, record_wrap,
+                                 reset_param_caches, swap_in_main_params)
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
                                  merge_rfc_section, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
-from ._optimizer_contract import init_optimizer_contract, run_load_state_dict_hooks, run_state_dict_hooks
+from ._optimizer_contract import (init_optimizer_contract, pause_global_step_hooks, resume_global_step_hooks,
+                                  run_load_state_dict_hooks, run_state_dict_hooks, split_non_param_state)
 from ._rollback import Rollback
 from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor, local_tensors
 
@@ -59,13 +60,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     ``param_groups``, ``state`` and ``defaults`` are views of the leaf optimizers shown with the
     model params (``param_groups[i]["params"]`` are model params, ``state`` is keyed by them, a
     bf16/fp16 param's state adds ``"main_param"``); the leaves themselves step on the main params.
-    Writes reach the leaf that owns the param or group, and writes that could not take effect
-    (new groups, new defaults, reassigning the attributes) are refused. So LR schedulers, grad
-    clipping, ``zero_grad`` and torch's distributed state-dict API behave as on a plain optimizer,
-    and step and state-dict hooks (instance and global) fire as on a plain optimizer.
-    :meth:`step` fires the step hooks; the split Megatron calls (:meth:`prepare_grads`,
-    :meth:`step_with_ready_grads`) do not, as on Megatron's own optimizer. Global step hooks also
-    see the leaf optimizers' own steps, as with torch's ``ZeroRedundancyOptimizer``.
+    Writes reach the leaf that owns the param or group; new groups go to the leaf with their main
+    params (:meth:`add_param_group`); writes that could not take effect (removing or replacing
+    groups, defaults over several leaves, reassigning the attributes) are refused. So LR schedulers, grad clipping,
+    ``zero_grad`` and torch's distributed state-dict API behave as on a plain optimizer, and step and
+    state-dict hooks (instance and global) fire as on a plain optimizer: the contract, row by row, is
+    docs/main_params.md#contract-with-torch-code. :meth:`step` fires the step hooks once (global hooks
+    do not see the leaves' steps); the split Megatron calls (:meth:`prepare_grads`,
+    :meth:`step_with_ready_grads`) do not, as on Megatron's own optimizer.
+
+    An optimizer that already keeps fp32 masters of its own (another main-params wrapper,
+    ``FusedAdam(master_weights=True)``, veomni's ``MasterFP32AdamW``) is refused with the reason,
+    before anything is written.
     """
 
     def __init__(self, optimizer: Any, model: nn.Module) -> None:
@@ -80,6 +86,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self.fp32_from_float16_groups: list[list[nn.Parameter]] = []
         self.fp32_from_fp32_groups: list[list[nn.Parameter]] = []
         self._fqns: list[tuple[nn.Parameter, str]] = []   # (model param, FQN), in group order
+        self._non_param_state: dict = {}   # opt.state keys that are no tensor (torch keeps them in state)
         check_params(self.leaf_optimizers, fqn_by_id)      # every check before the first write
         rollback = Rollback()
         record_wrap(rollback, optimizer, self.leaf_optimizers, model)
@@ -112,11 +119,13 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             self._main_param_by_id[id(model)] = main
             self._fqn_by_id[id(model)] = self._fqn_by_id[id(main)] = fqn
         self._state_view = LeafState(self.leaf_optimizers, self._main_of_key, self.model_param,
-                                     self._describe_non_optimizer_param, self._copy_into_main)
+                                     self._describe_non_optimizer_param, self._copy_into_main,
+                                     self._non_param_state)
         self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
         #: main param -> its global (shape, stride) as ints, for the fp32 grads a compiled step builds
         #: one torch Adam/AdamW leaf: a compiled step may run as one graph (_main_params_fused)
         self._fusable_leaf = (len(self.leaf_optimizers) == 1 and self.optimizer is self.leaf_optimizers[0]
+                              and len(self.optimizer.param_groups) == len(self.float16_groups)   # no repeat
                               and fusable_leaf(self.optimizer))
         self._layouts = {id(main): (tuple(main.shape), tuple(main.stride()))
                          for main in self._main_params() if is_torch_dtensor(main)}
@@ -149,7 +158,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     # ---- Optimizer surface ---------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
-        return LeafParamGroups(self.leaf_optimizers, self.model_param, type(self).__name__)
+        return LeafParamGroups(self.leaf_optimizers, self.model_param, type(self).__name__, self._add_group)
 
     @param_groups.setter
     def param_groups(self, value: Any) -> None:
@@ -164,8 +173,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self._refuse_assignment("state")
 
     @property
-    def defaults(self) -> ReadOnlyDefaults:
-        return ReadOnlyDefaults(self.leaf_optimizers[0].defaults, type(self).__name__)
+    def defaults(self) -> LeafDefaults:
+        return LeafDefaults(self.leaf_optimizers[0].defaults, type(self).__name__,
+                            writable=len(self.leaf_optimizers) == 1)
 
     @defaults.setter
     def defaults(self, value: Any) -> None:
@@ -200,17 +210,62 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         derived = state.pop("_derived")
+        state.setdefault("_non_param_state", {})
         self.__dict__.update(state)
         init_optimizer_contract(self)
         self._index_params()   # id-keyed lookups hold ids of the original's params
         self._derived_from_model = {id(main) for (_, main), d in zip(self._low_precision_pairs(), derived) if d}
 
     def __repr__(self) -> str:
-        leaves = ", ".join(type(leaf).__name__ for leaf in self.leaf_optimizers)
-        return f"{type(self).__name__}({leaves})"
+        leaves = "\n".join(repr(leaf) for leaf in self.leaf_optimizers)
+        count = sum(len(group) for group in self.float16_groups)
+        return f"{type(self).__name__} with fp32 main params of {count} bf16/fp16 param(s) over (\n{leaves}\n)"
 
     def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError("add param groups to the leaf optimizer before wrapping it")
+        """As torch's ``Optimizer.add_param_group``, for model params: bf16/fp16 ones get new fp32 main
+        params (from their current values), and the group goes to the leaf optimizer, which fills in its
+        defaults and checks it. A wrapper over several leaf optimizers cannot tell which leaf is meant:
+        add the group to that leaf before wrapping. Every check runs before the first write; a failure
+        after it (the leaf's own ``add_param_group``) is rolled back."""
+        params, fqn_by_id = check_new_group(self.leaf_optimizers, param_group, self.model,
+                                            {id(model) for model, _ in self._fqns}, type(self).__name__)
+        named = bool(params) and all(isinstance(x, tuple) for x in params)
+        tensors = [x[1] if named else x for x in params]
+        leaf = self.leaf_optimizers[0]
+        rollback = Rollback()
+        record_wrap(rollback, self.optimizer, self.leaf_optimizers, self.model)
+        rollback.attrs(self)
+        try:
+            stepped, float16, mains, fp32, fqns = main_params_for(tensors, fqn_by_id)
+            leaf_params = [(x[0], main) for x, main in zip(params, stepped)] if named else stepped
+            leaf.add_param_group({**param_group, "params": leaf_params})
+            self.float16_groups = [*self.float16_groups, float16]
+            self.fp32_from_float16_groups = [*self.fp32_from_float16_groups, mains]
+            self.fp32_from_fp32_groups = [*self.fp32_from_fp32_groups, fp32]
+            self._fqns = [*self._fqns, *fqns]
+            derived = self._derived_from_model | {id(main) for main in mains}
+            self._index_params()
+            self._derived_from_model = derived   # new main params are as derived from the model
+            reset_param_caches(self.optimizer, self.leaf_optimizers,
+                               {main: self.model_param(main) for main in self._main_params()}, {})
+        except BaseException:
+            rollback.restore()
+            raise
+
+    def _add_group(self, group: Any) -> None:
+        """``param_groups.append(group)``: a group of the view is repeated in its leaf (as torch's
+        ``param_groups.extend(param_groups)`` repeats the same dict); any other goes to
+        :meth:`add_param_group` (which, unlike a plain append, fills in the defaults)."""
+        if isinstance(group, ModelParamGroup):
+            leaf_group = group.leaf_group()
+            owner = next((leaf for leaf in self.leaf_optimizers
+                          if any(g is leaf_group for g in leaf.param_groups)), None)
+            if owner is not None:
+                owner.param_groups.append(leaf_group)
+                self._index_params()
+                return
+            group = dict(group)
+        self.add_param_group(group)
 
     # ---- step lifecycle --------------------------------------------------------------------
     @torch.no_grad()
@@ -238,11 +293,15 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         from it: the model may have been loaded since, and torch's priming step would otherwise
         copy the stale values over it."""
         self._refresh_derived_main_params()
-        if isinstance(self.optimizer, (list, tuple, dict)):
-            for leaf in self.leaf_optimizers:
-                leaf.step()
-        else:
-            self.optimizer.step()   # a chained optimizer keeps its own step order
+        paused = pause_global_step_hooks()   # one step to torch code: global hooks fire for the wrapper only
+        try:
+            if isinstance(self.optimizer, (list, tuple, dict)):
+                for leaf in self.leaf_optimizers:
+                    leaf.step()
+            else:
+                self.optimizer.step()   # a chained optimizer keeps its own step order
+        finally:
+            resume_global_step_hooks(paused)
         self._finish_step(self.param_groups)
         return True
 
@@ -330,6 +389,18 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             native = native_state_dict(self.leaf_optimizers, self.model_param, with_main_param=False)
             state_dict = fqn_layout(native, [f for g in groups for f in g], bool(flatten))
         state_dict[MP_KEY] = rfc_section(self.main_params_by_fqn())
+        return self._with_non_param_state(state_dict)
+
+    def _with_non_param_state(self, state_dict: dict) -> dict:
+        """``state_dict`` with the ``state`` keys that are no param, as torch packs them (key and value as
+        they are); the flattened layout (hyper-parallel's, several leaves) has no place for them: warned."""
+        if self._non_param_state:
+            if "state" in state_dict:
+                state_dict["state"].update(self._non_param_state)
+            else:
+                warnings.warn(f"{type(self).__name__}.state_dict: the flattened layout has no place for the "
+                              f"optimizer state keys that are no param ({sorted(map(repr, self._non_param_state))}"
+                              f"); they are not saved", UserWarning, stacklevel=4)
         return state_dict
 
     def _group_fqns(self) -> list[list[str]]:
@@ -352,7 +423,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         owner = type(self).__name__
         groups = self._group_fqns()
         current = [g for leaf in self.leaf_optimizers for g in leaf.param_groups]
-        merged, names = merge_rfc_section(unflatten(state_dict, groups, current), [f for g in groups for f in g],
+        state_dict, non_param_state = split_non_param_state(unflatten(state_dict, groups, current),
+                                                            {f for g in groups for f in g})
+        merged, names = merge_rfc_section(state_dict, [f for g in groups for f in g],
                                           self.main_params_by_fqn(), owner)
         natives, saved, fp32_saved = split_by_leaf(self.leaf_optimizers, merged, self.model_param, owner,
                                                    self.fqn, names)
@@ -381,6 +454,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 rollback.tensor(main)
         for _, main in rebuild:
             rollback.tensor(main)
+        rollback.dict(self._non_param_state)
         derived = self._derived_from_model   # replaced below, never mutated: restored as is
         try:
             for leaf, native in zip(self.leaf_optimizers, natives):
@@ -388,6 +462,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             for model, main, value in load:
                 copy_into_main(main, value, self.fqn(model))
             self._copy_pairs(to_model=False, pairs=rebuild)
+            self._non_param_state.clear()   # replaced by the loaded ones, as torch replaces its state
+            self._non_param_state.update(non_param_state)
             self._derived_from_model = (derived - {id(main) for _, main, _ in load}) | {id(m) for _, m in rebuild}
         except BaseException:
             rollback.restore()

@@ -46,7 +46,6 @@ from tests.support import bit_mismatches
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64, "complex64": torch.complex64}
 FUSED_ADAM_DTYPES = ("float32", "bfloat16", "float16")
-MAIN_PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
@@ -76,12 +75,8 @@ def expected(case: dict) -> tuple[str, Optional[str]]:
             return "refuse", "|".join(reasons)
         return "exact", None   # or whatever torch's own optimizer refuses (decided at run time)
     if kind == "main_params":
-        bad = [p for p in case["params"] if p["dtype"] not in MAIN_PARAMS_DTYPES and in_optimizer(p)]
-        if bad:
-            # the first in group order is named: any of them may be
-            return "refuse", "|".join(f"'{p['name']}'.*{p['dtype']}" for p in bad)
-        if opts.get("add_group_after_wrap"):
-            return "refuse", r"before wrapping"
+        # every dtype is taken (issue 42): float64/complex params are their own main params, stepped as
+        # the reference steps them; add_param_group on a one-leaf wrapper adds the group to the leaf
         return "exact", None
     raise ValueError(f"unknown optimizer {kind!r}")
 
@@ -373,6 +368,13 @@ def run_foreach(case: dict, layout: Layout) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- MainParamsOptimizer
 
+def _master_dtype(t: torch.Tensor, like: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``t`` as the reference's master holds it: fp32 for a bf16/fp16 (or fp32) param, else its own dtype
+    (float64 and complex params are their own main params)."""
+    dtype = like or t.dtype
+    return t.float() if dtype in (torch.bfloat16, torch.float16, torch.float32) else t.to(dtype)
+
+
 def run_main_params(case: dict, layout: Layout) -> None:
     opts = case["options"]
     specs = case["params"]
@@ -391,11 +393,12 @@ def run_main_params(case: dict, layout: Layout) -> None:
     leaf = _build(cls, {**case, "params": opt_specs}, opt_params, flags)
     wrapped = MainParamsOptimizer(leaf, model)
     if opts.get("add_group_after_wrap"):
-        wrapped.add_param_group({"params": []})
-    # the reference's masters are laid out as the main params: an fp32 param is its own, a bf16/fp16
-    # param's is contiguous; the grads are laid out like them
-    master_layouts = [s["layout"] if f.dtype == torch.float32 else "contiguous" for f, s in zip(fulls, specs)]
-    masters = [nn.Parameter(layout.make_local(f.float(), s, ml)) if keep else None
+        wrapped.add_param_group({"params": []})   # an empty group: the leaf takes it, nothing else changes
+    # the reference's masters are laid out as the main params: an fp32/float64/complex param is its own, a
+    # bf16/fp16 param's is contiguous; the grads are laid out like them
+    master_layouts = [s["layout"] if f.dtype not in (torch.bfloat16, torch.float16) else "contiguous"
+                      for f, s in zip(fulls, specs)]
+    masters = [nn.Parameter(layout.make_local(_master_dtype(f), s, ml)) if keep else None
                for f, s, ml, keep in zip(fulls, specs, master_layouts, in_opt)]
     ref_error = None
     try:
@@ -413,7 +416,8 @@ def run_main_params(case: dict, layout: Layout) -> None:
             else:
                 _set_grad(p, gl)
             if m is not None:
-                m.grad = None if g is None else layout.make_local(g.float(), s, master_layouts[i])
+                m.grad = None if g is None else layout.make_local(_master_dtype(g, fulls[i].dtype), s,
+                                                                  master_layouts[i])
         if ref is not None and ref_error is None:
             try:
                 ref.step()

@@ -9,11 +9,9 @@ so a correct interchange makes the next step bit-identical. Every comparison is 
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,19 +22,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from npu_fsdp_patches.optim import MainParamsOptimizer, apply_model_init_dtype
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, split_muon_adamw_params
 from tests.multirank.main_params_cases import HAS_MUON, MUON, VOCAB, TinyLM, batch, full
-from tests.support import bit_mismatches
+from tests.support import bit_mismatches, load_fixture_module
 
 BF16 = torch.bfloat16
 ADAMW = {"lr": 1e-3, "weight_decay": 0.01, "foreach": False}
 SECTION, MAINS = "_mixed_precision_optimizer", "fp32_from_fp16_params"
-_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "upstream_fp32_wrapper" / "mixed_precision_optimizer.py"
 
 
 def upstream_module():
-    spec = importlib.util.spec_from_file_location("upstream_mixed_precision_optimizer", _FIXTURE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_fixture_module("upstream_fp32_wrapper/mixed_precision_optimizer.py")
 
 
 def sharded_model(world, dtype=BF16):
