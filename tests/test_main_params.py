@@ -2,6 +2,7 @@
 the Muon + AdamW routing (docs/design.md#43-hp_fp32_main_params). Multi-rank FSDP2/DCP cases:
 test_main_params_acceptance.py.
 """
+import copy
 import re
 import warnings
 
@@ -13,6 +14,7 @@ from npu_fsdp_patches.optim import (Float16OptimizerWithFloat16Params, MainParam
                                     apply_model_init_dtype, validate_fp32_main_params_config)
 from npu_fsdp_patches.optim.muon_routing import OptimizerChain, build_muon_adamw, is_muon_param
 from tests.main_params_model import Net, backward, make
+from tests.support import bit_mismatches
 from tests.torch_versions import FLAT_LOAD_FILLS_MISSING_KEYS, HAS_MUON, needs_muon
 
 
@@ -85,16 +87,38 @@ def test_param_not_in_model_is_rejected():
         MainParamsOptimizer(torch.optim.AdamW([stray]), Net())
 
 
-def test_existing_state_moves_with_the_param():
+def test_existing_state_moves_with_the_param_and_steps_as_a_plain_fp32_optimizer():
+    """An optimizer that stepped before the wrap keeps its state: moved to the main params, its bf16
+    moments cast to fp32 as torch's load_state_dict casts state to the param's dtype. The next step then
+    equals a plain AdamW over fp32 copies loaded with the same state, bit for bit (before the cast, torch's
+    kernels refused the bf16 moments next to fp32 params: 'expected dtype c10::BFloat16')."""
     torch.manual_seed(0)
     model = Net().to(torch.bfloat16)
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    backward(model)
-    adamw.step()
-    old = {name: adamw.state[p] for name, p in model.named_parameters()}
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        backward(model)
+        adamw.step()
+        adamw.zero_grad()
+    old = {name: {k: v.clone() for k, v in adamw.state[p].items()} for name, p in model.named_parameters()}
+    reference = Net()
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    plain.load_state_dict(copy.deepcopy(adamw.state_dict()))   # torch casts the moments, shares `step`
     opt = MainParamsOptimizer(adamw, model)
     for name, p in model.named_parameters():
-        assert p not in adamw.state and adamw.state[p.main_param] is old[name]
+        moved = adamw.state[p.main_param]
+        assert p not in adamw.state and moved.keys() == old[name].keys()
+        for key, value in old[name].items():
+            assert torch.equal(moved[key], value.to(moved[key].dtype)), (name, key)
+            assert moved[key].dtype == (value.dtype if key == "step" else torch.float32), (name, key)
+    backward(model)
+    for p, r in zip(model.parameters(), reference.parameters()):
+        r.grad = p.grad.float()
+    opt.step()
+    plain.step()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert bit_mismatches(p.main_param, r)[0] == 0, name
+        assert torch.equal(p, r.to(torch.bfloat16)), name
 
 
 def test_accepts_list_dict_and_chain():

@@ -181,8 +181,20 @@ def swap_in_main_params(leaf: torch.optim.Optimizer, g: int, group: dict,
             group["params"][i] = main
     for p, main in zip(float16, fp32_from_float16):
         if p in leaf.state:
-            leaf.state[main] = leaf.state.pop(p)
+            leaf.state[main] = _state_for_main_param(leaf.state.pop(p))
     return float16, fp32_from_float16, fp32_from_fp32, fqns
+
+
+def _state_for_main_param(entry: Any) -> Any:
+    """A bf16/fp16 param's state, moved to its fp32 main param: its low-precision moments cast to fp32, as
+    torch's ``Optimizer.load_state_dict`` casts floating state to the param's dtype (``step`` kept as is).
+    A leaf that stepped before the wrap would otherwise update fp32 params with bf16 moments, which torch's
+    kernels refuse. A new dict: the original stays intact for the rollback."""
+    if not isinstance(entry, dict):
+        return entry
+    return {key: (value.to(torch.float32)
+                  if key != "step" and isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION else value)
+            for key, value in entry.items()}
 
 
 def record_wrap(rollback: Rollback, optimizer: Any, leaves: list[torch.optim.Optimizer],
