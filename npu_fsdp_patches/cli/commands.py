@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .. import __version__, selftest
 from ..plan import loader
 from ..plan.settings import ENV_VARS
 from ..runtime.facade import RUNTIME
+from ..selftest import runner as selftest_runner
 from . import checkpoint, report
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .output_guard import guarded
@@ -114,8 +116,18 @@ def _run(argv: list | None) -> int:
 
 
 def main(argv: list | None = None) -> int:
-    """Run one command; an output it cannot write ends it with one line, never a traceback."""
-    return guarded(lambda: _run(argv))
+    """Run one command; an output it cannot write ends it with one line, never a traceback.
+
+    Run as the process's command (no ``argv``), a self-test rank inside a torchrun job ends here without
+    interpreter teardown once all is reported: gloo's background threads can abort a rank at exit
+    ("terminate called without an active exception", SIGABRT) and fail the user's passing job.
+    """
+    code = guarded(lambda: _run(argv))
+    if argv is None and selftest_runner.RAN_IN_JOB:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from typing import NoReturn, Optional
+from typing import Optional
 
 from . import report
 from .checks import CHECKS
@@ -125,7 +125,12 @@ def _run_launched(plan: Plan, versions: dict, as_json: bool) -> int:
     return _finish(plan, versions, checks, ranks, timed_out, plan.nproc_per_node, as_json, log_tail)
 
 
-def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> NoReturn:
+# Set once a rank of a torchrun job has run and reported its checks: the command's process entry then ends
+# without interpreter teardown (see cli.commands.main); an in-process caller of main() still gets the code.
+RAN_IN_JOB = False
+
+
+def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
     """Every rank of the job runs this; rank 0 prints. A watchdog ends a rank still here at --timeout."""
     from .rank import StatusFile, run_rank  # pylint: disable=import-outside-toplevel
 
@@ -145,12 +150,9 @@ def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> NoReturn:
     ranks = [{"rank": r, "state": "finished", "check": None, "last_finished": plan.checks[-1] if plan.checks else None,
               "seconds_in_check": None, "error": None}
              for r in range(job["world_size"])]
-    code = _finish(plan, versions, checks, ranks, False, job["world_size"], as_json) if lead else _exit_code(checks)
-    # Everything is reported: skip interpreter teardown, where gloo's background threads can abort a rank
-    # ("terminate called without an active exception", SIGABRT) and fail the user's passing torchrun job.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    global RAN_IN_JOB  # pylint: disable=global-statement
+    RAN_IN_JOB = True
+    return _finish(plan, versions, checks, ranks, False, job["world_size"], as_json) if lead else _exit_code(checks)
 
 
 def _exit_code(checks: list) -> int:
