@@ -1,0 +1,126 @@
+"""Writes to the model params between steps, found and honoured (docs/main_params.md#contract-with-torch-code).
+
+A plain optimizer steps the params as they are, so a rewind (``model.load_state_dict(snapshot)``), weight
+clipping (``p.clamp_()`` under ``no_grad``) or ``p.data = t`` between two steps is kept. A main-params
+wrapper steps its fp32 main params and copies them over the model, which would undo such a write. So the
+wrapper re-derives a main param from its model param before a step, element by element: where the model
+param no longer equals its main param rounded to the model's dtype (bit for bit), the main param takes the
+model's value and that element's fp32 tail is given up; elements the write left equal keep their tails
+(a checkpoint reload that writes the same values loses nothing).
+
+Comparing every element every step would cost a pass over the model, so eager steps compare only params
+whose *fingerprint* moved since the wrapper last wrote them: the param's version counter (torch bumps it on
+every in-place write through the param or a view of it, ``copy_`` from ``load_state_dict`` included), its
+local shard's version, and the storage behind the local shard (``p.data = t`` swaps the storage and keeps
+the version). A weak reference holds each recorded storage's identity, so a new storage cannot reuse the
+address of one that was freed. Not seen by fingerprints: in-place writes through ``p.data``, which torch
+gives a version counter of its own. Inside a ``torch.compile`` graph a version cannot be read, so a compiled
+step compares every param by value, in its graph.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._rollback import Rollback
+from .tensors import PLAIN_TYPES, local_tensor
+
+__all__ = ["ModelWrites", "rederive_from_model"]
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(p: torch.Tensor) -> tuple:
+    """What an in-place write, a ``copy_`` or a ``p.data = t`` changes: versions and the local storage."""
+    if type(p) in PLAIN_TYPES:
+        return p._version, p.untyped_storage()._cdata
+    local = local_tensor(p)
+    return p._version, local._version, local.untyped_storage()._cdata
+
+
+class ModelWrites:
+    """The model params' fingerprints as the wrapper last left them, and which ones moved since."""
+
+    def __init__(self, models: list[torch.Tensor]) -> None:
+        self._marks: list[tuple] = [()] * len(models)
+        self._storages: list[StorageWeakRef | None] = [None] * len(models)
+        self.record(models)
+
+    def record(self, models: list[torch.Tensor], indices: list[int] | None = None) -> None:
+        """Take the fingerprints of ``models`` (or of ``models[i]`` for ``i`` in ``indices``) as written by us."""
+        for i in range(len(models)) if indices is None else indices:
+            mark = _fingerprint(models[i])
+            if not self._marks[i] or mark[-1] != self._marks[i][-1]:   # a new storage: hold its identity
+                self._storages[i] = StorageWeakRef(local_tensor(models[i]).untyped_storage())
+            self._marks[i] = mark
+
+    def record_all(self, models: list[torch.Tensor]) -> None:
+        """:meth:`record` for every param, the common case after a copy back: one pass, no per-index calls."""
+        marks = [_fingerprint(p) for p in models]
+        if any(new[-1] != old[-1] for new, old in zip(marks, self._marks)):
+            self.record(models, [i for i, (new, old) in enumerate(zip(marks, self._marks)) if new[-1] != old[-1]])
+        self._marks = marks
+
+    def saved(self) -> tuple:
+        """What :meth:`restore` puts back (a call that records, then fails, undoes its records)."""
+        return list(self._marks), list(self._storages)
+
+    def restore(self, saved: tuple) -> None:
+        self._marks, self._storages = list(saved[0]), list(saved[1])
+
+    def moved(self, models: list[torch.Tensor]) -> list[int]:
+        """Indices of the params written since they were recorded (by fingerprint)."""
+        marks = [_fingerprint(p) for p in models]
+        if marks == self._marks:
+            return []
+        return [i for i, (new, old) in enumerate(zip(marks, self._marks)) if new != old]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_SAME_SIZE_INT[t.element_size()])
+
+
+def written_elements(main: torch.Tensor, model: torch.Tensor) -> torch.Tensor:
+    """Where ``model`` differs, bit for bit, from ``main`` rounded to the model's dtype (local shards)."""
+    return _bits(main.to(model.dtype)) != _bits(model)
+
+
+@torch.no_grad()
+def rederive_from_model(main: torch.Tensor, model: torch.Tensor) -> None:
+    """Main param (local shard) := the model's value where the model was written, its own value elsewhere.
+    Traceable: no data-dependent Python branch (a compiled step runs it on every param)."""
+    main.copy_(torch.where(written_elements(main, model), model.to(main.dtype), main))
+
+
+def check_layouts(pairs: list[tuple[torch.Tensor, torch.Tensor]], name: Callable[[torch.Tensor], str]) -> None:
+    """Refuse, before any write, a model param whose local shard no longer fits its main param
+    (``p.data = t`` with another shape or device): the wrapper cannot step a param it no longer matches."""
+    for model, main in pairs:
+        model_l, main_l = local_tensor(model), local_tensor(main)
+        if model_l.shape != main_l.shape or model_l.device != main_l.device:
+            raise ValueError(
+                f"model param {name(model)!r} was replaced by a tensor of shape {tuple(model_l.shape)} on "
+                f"{model_l.device} (p.data = ...?), but its fp32 main param has shape {tuple(main_l.shape)} on "
+                f"{main_l.device}: a main-params wrapper cannot step it. Give the param a tensor of its "
+                f"original shape and device, or build a new optimizer and wrapper for the changed model")
+
+
+def adopt_written(pairs: list[tuple[torch.Tensor, torch.Tensor]], name: Callable[[torch.Tensor], str]) -> None:
+    """Eager: re-derive the main params of ``pairs`` (model params whose fingerprint moved) from their model
+    params. Every check runs first; a failure midway puts the main params back (docs/design.md#37)."""
+    check_layouts(pairs, name)
+    locals_ = [(local_tensor(model), local_tensor(main)) for model, main in pairs]
+    written = [written_elements(main_l, model_l) for model_l, main_l in locals_]
+    changed = [(model_l, main_l, w) for (model_l, main_l), w in zip(locals_, written) if bool(w.any())]
+    rollback = Rollback()
+    for _, main_l, _ in changed:
+        rollback.tensor(main_l)
+    try:
+        with torch.no_grad():
+            for model_l, main_l, w in changed:
+                main_l.copy_(torch.where(w, model_l.to(main_l.dtype), main_l))
+    except BaseException:
+        rollback.restore()
+        raise
