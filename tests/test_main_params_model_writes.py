@@ -242,3 +242,30 @@ def _reshaped_wrapper():
                          ids=lambda e: e.name)
 def test_a_failed_adoption_changes_nothing(entry, mode):
     check_entry(entry, mode)
+
+
+@pytest.mark.parametrize("write_after_load", [False, True], ids=["load only", "load, then clamp"])
+def test_a_compiled_step_after_a_load_keeps_the_loaded_main_params(write_after_load, monkeypatch):
+    """Compiled, writes are found by value; right after ``load_state_dict`` the main params hold values the model
+    does not, so that step takes the eager route: the loaded main params survive (a by-value comparison would
+    replace them by the model's stale values), and a model write made after the load still wins where it
+    differs. The step runs at lr 0 so that the main params after it are what the step adopted."""
+    torch._dynamo.reset()
+    model, opt = _trained(steps=0)
+    step = torch.compile(opt.step, backend="aot_eager")
+    for s in range(3):
+        backward(model, s)
+        step()
+        opt.zero_grad()
+        if s == 0:
+            loaded = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(loaded)
+    if write_after_load:
+        _clamp(model)
+    want = expected_mains(opt) if write_after_load else _mains(opt)
+    for group in opt.param_groups:
+        group["lr"], group["weight_decay"] = 0.0, 0.0
+    backward(model, 9)
+    step()
+    _assert_same(_mains(opt), want)
+    torch._dynamo.reset()

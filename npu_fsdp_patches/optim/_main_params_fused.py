@@ -91,7 +91,7 @@ def compiled_adam_step(opt) -> bool:
 def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
     opt._before_update()   # as step_with_ready_grads: model writes adopted, derived main params refreshed
     pairs = opt._low_precision_pairs()
-    opt._released = released_grads(pairs)
+    opt._released[:] = released_grads(pairs)
     for model, main in pairs:   # as prepare_grads; the grads are held in plan
         model.grad = None
         main.grad = None

@@ -9,73 +9,89 @@ model's value and that element's fp32 tail is given up; elements the write left 
 (a checkpoint reload that writes the same values loses nothing).
 
 Comparing every element every step would cost a pass over the model, so eager steps compare only params
-whose *fingerprint* moved since the wrapper last wrote them: the param's version counter (torch bumps it on
-every in-place write through the param or a view of it, ``copy_`` from ``load_state_dict`` included), its
-local shard's version, and the storage behind the local shard (``p.data = t`` swaps the storage and keeps
-the version). A weak reference holds each recorded storage's identity, so a new storage cannot reuse the
-address of one that was freed. Not seen by fingerprints: in-place writes through ``p.data``, which torch
+whose versions or memory moved since the wrapper last wrote them: the param's version counter (torch bumps
+it on every in-place write through the param or a view of it, ``copy_`` from ``load_state_dict`` included),
+a DTensor's local shard's version, and the memory the param holds (``p.data = t`` swaps a plain param's
+storage and keeps the version). Weak references hold the recorded storages and shards, so a new one cannot
+reuse the address of one that was freed. Not seen this way: in-place writes through ``p.data``, which torch
 gives a version counter of its own. Inside a ``torch.compile`` graph a version cannot be read, so a compiled
 step compares every param by value, in its graph.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._rollback import Rollback
-from .tensors import PLAIN_TYPES, local_tensor
+from .tensors import local_tensor, local_tensors
 
 __all__ = ["ModelWrites", "rederive_from_model"]
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _fingerprint(p: torch.Tensor) -> tuple:
-    """What an in-place write, a ``copy_`` or a ``p.data = t`` changes: versions and the local storage."""
-    if type(p) in PLAIN_TYPES:
-        return p._version, p.untyped_storage()._cdata
-    local = local_tensor(p)
-    return p._version, local._version, local.untyped_storage()._cdata
+def _versions(models: list[torch.Tensor], locals_: list[torch.Tensor]) -> list:
+    """Each param's version and, for a DTensor, its local shard's too: the wrapper's counter moves on writes
+    through the DTensor (``p.clamp_()``, ``copy_`` from ``load_state_dict``), the shard's on writes to it
+    (``p.to_local().zero_()``, the wrapper's own copy back), which run below autograd for the other."""
+    return [p._version if p is local else (p._version, local._version) for p, local in zip(models, locals_)]
+
+
+def _holder(p: torch.Tensor, local: torch.Tensor) -> tuple:
+    """What identifies the memory ``p`` holds: a plain param's storage (``p.data = t`` swaps it and keeps the
+    version), held by a weak reference so that a freed storage's address cannot come back under another; a
+    DTensor's local shard object (torch's ``p.data = t`` keeps it; FSDP2 may swap it for a view of its own)."""
+    if p is local:
+        storage = p.untyped_storage()
+        return storage._cdata, StorageWeakRef(storage)
+    return id(local), weakref.ref(local)
+
+
+def _same_holder(p: torch.Tensor, local: torch.Tensor, held: tuple) -> bool:
+    return p.untyped_storage()._cdata == held[0] if p is local else held[1]() is local
 
 
 class ModelWrites:
-    """The model params' fingerprints as the wrapper last left them, and which ones moved since."""
+    """The model params' versions and memory as the wrapper last left them, and which ones moved since."""
 
     def __init__(self, models: list[torch.Tensor]) -> None:
-        self._marks: list[tuple] = [()] * len(models)
-        self._storages: list[StorageWeakRef | None] = [None] * len(models)
+        self._versions: list = []
+        self._holders: list[tuple] = []
         self.record(models)
 
     def record(self, models: list[torch.Tensor], indices: list[int] | None = None) -> None:
-        """Take the fingerprints of ``models`` (or of ``models[i]`` for ``i`` in ``indices``) as written by us."""
-        for i in range(len(models)) if indices is None else indices:
-            mark = _fingerprint(models[i])
-            if not self._marks[i] or mark[-1] != self._marks[i][-1]:   # a new storage: hold its identity
-                self._storages[i] = StorageWeakRef(local_tensor(models[i]).untyped_storage())
-            self._marks[i] = mark
+        """Take the versions and memory of ``models`` (or of ``models[i]`` for ``i`` in ``indices``) as ours."""
+        locals_ = local_tensors(models)
+        if indices is None:
+            self._versions = _versions(models, locals_)
+            self._holders = [_holder(p, local) for p, local in zip(models, locals_)]
+            return
+        for i in indices:
+            self._versions[i] = _versions([models[i]], [locals_[i]])[0]
+            self._holders[i] = _holder(models[i], locals_[i])
 
-    def record_all(self, models: list[torch.Tensor]) -> None:
-        """:meth:`record` for every param, the common case after a copy back: one pass, no per-index calls."""
-        marks = [_fingerprint(p) for p in models]
-        if any(new[-1] != old[-1] for new, old in zip(marks, self._marks)):
-            self.record(models, [i for i, (new, old) in enumerate(zip(marks, self._marks)) if new[-1] != old[-1]])
-        self._marks = marks
+    def record_versions(self, models: list[torch.Tensor]) -> None:
+        """After the wrapper's own copy back (which moves versions, never memory): one cheap pass."""
+        self._versions = _versions(models, local_tensors(models))
 
     def saved(self) -> tuple:
         """What :meth:`restore` puts back (a call that records, then fails, undoes its records)."""
-        return list(self._marks), list(self._storages)
+        return list(self._versions), list(self._holders)
 
     def restore(self, saved: tuple) -> None:
-        self._marks, self._storages = list(saved[0]), list(saved[1])
+        self._versions, self._holders = list(saved[0]), list(saved[1])
 
     def moved(self, models: list[torch.Tensor]) -> list[int]:
-        """Indices of the params written since they were recorded (by fingerprint)."""
-        marks = [_fingerprint(p) for p in models]
-        if marks == self._marks:
+        """Indices of the params written since they were recorded."""
+        locals_ = local_tensors(models)
+        versions = _versions(models, locals_)
+        same = [_same_holder(p, local, held) for p, local, held in zip(models, locals_, self._holders)]
+        if versions == self._versions and all(same):
             return []
-        return [i for i, (new, old) in enumerate(zip(marks, self._marks)) if new != old]
+        return [i for i, (v, old, kept) in enumerate(zip(versions, self._versions, same)) if v != old or not kept]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -261,7 +261,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         # under torch.compile a traced DTensor's stride() is symbolic: give from_local the ints cached here
         layouts = self._layouts if torch.compiler.is_compiling() else {}
         pairs = self._low_precision_pairs()
-        self._released = released_grads(pairs)
+        self._released[:] = released_grads(pairs)   # in place: torch 2.6's dynamo cannot set an optimizer's attribute
         for model_param, main_param in pairs:
             grad = getattr(model_param, "main_grad", None)
             if grad is None:
@@ -352,7 +352,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         if self._main_ahead:
             self._main_ahead = frozenset()
         if eager:
-            self._writes.record_all([model for model, _ in self._low_precision_pairs()])
+            self._writes.record_versions([model for model, _ in self._low_precision_pairs()])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``prepare_grads`` then ``step_with_ready_grads``. Compiled over one torch Adam/AdamW whose state
@@ -402,7 +402,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                     clear_grads(p, set_to_none=False)
             else:
                 leaf.zero_grad(set_to_none=set_to_none)
-        released, self._released = self._released, [None] * len(pairs)
+        released = list(self._released)
+        self._released[:] = [None] * len(pairs)
         for (model_param, _), dtype in zip(pairs, released):
             clear_grads(model_param, set_to_none)
             if not set_to_none and model_param.grad is None and dtype is not None:
@@ -428,7 +429,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         self._copy_pairs(to_model=False)
         self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
         self._main_ahead = frozenset()
-        self._writes.record_all([model for model, _ in self._low_precision_pairs()])
+        self._writes.record([model for model, _ in self._low_precision_pairs()])
 
     # ---- state dict --------------------------------------------------------------------------
     def main_params_by_fqn(self) -> dict[str, nn.Parameter]:
