@@ -269,3 +269,26 @@ def test_a_compiled_step_after_a_load_keeps_the_loaded_main_params(write_after_l
     step()
     _assert_same(_mains(opt), want)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_the_write_check_is_torchs_cast_bit_for_bit(dtype, compiled):
+    """``written_elements`` rounds with int32 ops (inductor keeps ``.to(bf16)`` in fp32 inside a kernel): over
+    random fp32 bit patterns, wide magnitudes and the edges (zeros of both signs, ties, subnormals, the
+    overflow to inf), it flags nothing against torch's own cast and flags every one-bit change of it."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    edges = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 2.0 ** -14, 2.0 ** -14 - 2.0 ** -25, 2.0 ** -24,
+             2.0 ** -25, 1.5 * 2.0 ** -25, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11, 1.0 - 2.0 ** -9,
+             3.4e38, 1e-40, 2.0 ** -133, float("inf"), -float("inf")]
+    x = torch.cat([bits.view(torch.float32), torch.randn(200_000, generator=g) * torch.logspace(-45, 38, 200_000),
+                   torch.tensor(edges)])
+    x = x[~torch.isnan(x)]
+    model = x.to(dtype)
+    neighbour = (model.view(torch.int16) ^ 1).view(dtype)
+    check = torch.compile(_model_writes.written_elements, backend="inductor") if compiled \
+        else _model_writes.written_elements
+    assert int(check(x, model).sum()) == 0
+    real = ~torch.isnan(neighbour.float())
+    assert bool(check(x, neighbour)[real].all())

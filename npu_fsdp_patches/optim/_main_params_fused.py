@@ -6,7 +6,10 @@ bf16 -> fp32 grad cast, the update and the fp32 -> bf16 copy back (docs/performa
 :func:`compiled_adam_step` runs what the leaf's step runs, torch's functional ``adam`` with the group's
 settings as dynamo shows them to torch's own compiled step (``capturable=True``), on the local shards,
 with the cast grads handed to it directly: one traced region, which inductor fuses into kernels that
-read the bf16 grad and write the bf16 model param (no fp32 grad is written to memory).
+read the bf16 grad and write the bf16 model param (no fp32 grad is written to memory). Model params written
+since the last step (docs/main_params.md#contract-with-torch-code) are adopted first, by value, in the same
+region: the kernels also read the bf16 model param. (Handing the update ``where(written, model, main)``
+instead of adopting in place cost the same and changed inductor's bits against torch's compiled AdamW.)
 
 It runs only while dynamo traces, on torch >= 2.7, and only for a leaf that is exactly ``torch.optim.Adam``/``AdamW``
 with torch's own ``step``, no step hooks (the leaf's or global ones: its step would fire them), no

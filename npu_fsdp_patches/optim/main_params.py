@@ -368,15 +368,11 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             return loss
         if compiled_adam_step(self):   # compiled over a torch Adam/AdamW: one graph
             return loss
-        if torch.compiler.is_compiling():   # dynamo's graphs split as before model writes were adopted
-            self.prepare_grads()
-            self._unscale_main_grads()
-            self.step_with_ready_grads()
-        else:
-            self._before_update()          # first: a refused model write leaves the grads where they were
-            self.prepare_grads()
-            self._unscale_main_grads()
-            self._step_leaves(eager=True)
+        eager = not torch.compiler.is_compiling()   # read before the leaves' graph break (see _finish_step)
+        self._before_update()   # first: a refused model write leaves the grads where they were; compiled, the
+        self.prepare_grads()    # by-value adoption shares the grads' graph (alone it cost a graph and a pass)
+        self._unscale_main_grads()
+        self._step_leaves(eager)
         return loss
 
     def _unscale_main_grads(self) -> None:
