@@ -221,6 +221,16 @@ def test_a_data_of_another_shape_is_refused_before_anything_changes():
     _assert_same(_mains(opt), mains)
 
 
+def test_a_data_of_a_dtype_the_comparison_does_not_know_is_refused_before_anything_changes():
+    model, opt = _trained()
+    backward(model, 7)
+    mains = _mains(opt)
+    model.body.weight.data = model.body.weight.detach().double()
+    with pytest.raises(ValueError, match=r"'body.weight'.*torch.float64 tensor.*bf16, fp16 or fp32"):
+        opt.step()
+    _assert_same(_mains(opt), mains)
+
+
 def _written_wrapper():
     model, opt = _trained()
     _clamp(model)

@@ -28,7 +28,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ._rollback import Rollback
 from .tensors import local_tensor, local_tensors
 
-__all__ = ["ModelWrites", "rederive_from_model"]
+__all__ = ["ModelWrites", "written_elements", "rederive_from_model", "check_layouts", "adopt_written"]
+
+#: the model dtypes the comparison knows (a bf16/fp16 param; fp32 after ``p.data = t.float()``)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def _versions(models: list[torch.Tensor], locals_: list[torch.Tensor]) -> list:
     """Each param's version and, for a DTensor, its local shard's too: the wrapper's counter moves on writes
@@ -123,16 +127,17 @@ def check_layouts(pairs: list[tuple[torch.Tensor, torch.Tensor]], name: Callable
     (``p.data = t`` with another shape or device): the wrapper cannot step a param it no longer matches."""
     for model, main in pairs:
         model_l, main_l = local_tensor(model), local_tensor(main)
-        if model_l.shape != main_l.shape or model_l.device != main_l.device:
+        if model_l.shape != main_l.shape or model_l.device != main_l.device or model_l.dtype not in _DTYPES:
             raise ValueError(
-                f"model param {name(model)!r} was replaced by a tensor of shape {tuple(model_l.shape)} on "
-                f"{model_l.device} (p.data = ...?), but its fp32 main param has shape {tuple(main_l.shape)} on "
-                f"{main_l.device}: a main-params wrapper cannot step it. Give the param a tensor of its "
-                f"original shape and device, or build a new optimizer and wrapper for the changed model")
+                f"model param {name(model)!r} was replaced by a {model_l.dtype} tensor of shape "
+                f"{tuple(model_l.shape)} on {model_l.device} (p.data = ...?), but its fp32 main param has shape "
+                f"{tuple(main_l.shape)} on {main_l.device}: a main-params wrapper cannot step it. Give the param "
+                f"a bf16, fp16 or fp32 tensor of its original shape and device, or build a new optimizer and "
+                f"wrapper for the changed model")
 
 
 def adopt_written(pairs: list[tuple[torch.Tensor, torch.Tensor]], name: Callable[[torch.Tensor], str]) -> None:
-    """Eager: re-derive the main params of ``pairs`` (model params whose fingerprint moved) from their model
+    """Eager: re-derive the main params of ``pairs`` (model params whose versions or memory moved) from their model
     params. Every check runs first; a failure midway puts the main params back (docs/design.md#37)."""
     check_layouts(pairs, name)
     locals_ = [(local_tensor(model), local_tensor(main)) for model, main in pairs]
