@@ -221,6 +221,9 @@ def snapshot(handed: Any) -> dict[str, Any]:
         if isinstance(obj, torch.Tensor):
             flat[path + ":data"] = (obj.dtype, tuple(obj.shape), obj.requires_grad,
                                     tuple(obj.stride()) if obj.layout == torch.strided else None, _bytes(obj))
+            if obj.is_leaf:   # what autograd does with its grads: the dtype it keeps, the hooks it runs
+                flat[path + ":autograd"] = (getattr(obj, "grad_dtype", None),
+                                            len(getattr(obj, "_post_accumulate_grad_hooks", None) or ()))
             for k, v in sorted(vars(obj).items()):
                 snap(v, f"{path}.{k}")
             snap(obj.grad if obj.is_leaf else None, f"{path}.grad")

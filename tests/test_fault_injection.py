@@ -42,10 +42,10 @@ def _trained_once(seed, steps, dtype):
     return model, chain, wrapper
 
 
-def _plain(extra=None, seed=0):
-    """A bf16 model and an AdamW over its params (plus ``extra``), stepped once."""
+def _plain(extra=None, seed=0, dtype=torch.bfloat16):
+    """A bf16 (or ``dtype``) model and an AdamW over its params (plus ``extra``), stepped once."""
     torch.manual_seed(seed)
-    model = Net().to(torch.bfloat16)
+    model = Net().to(dtype)
     params = list(model.parameters()) + list(extra or [])
     opt = torch.optim.AdamW(params, lr=1e-2)
     backward(model)
@@ -269,6 +269,7 @@ def _load_checkpoint(h):
 def entries(tmp):
     return [
         Entry("wrap AdamW", _plain, _wrap),
+        Entry("wrap AdamW over fp16 params (their grads widened)", lambda: _plain(dtype=torch.float16), _wrap),
         Entry("wrap Muon+AdamW chain", _fresh_chain, _wrap),
         Entry("wrap: float64 param among bf16", _with_f64, _wrap),
         Entry("wrap: a param twice in one group", lambda: (lambda m: {"model": m, "optimizer": torch.optim.AdamW(

@@ -202,9 +202,9 @@ def test_bf16_scheduler_and_clipping_reach_the_main_params():
         scheduler.step()
     assert [g["lr"] for g in chain.optimizers_dict["adamw"].param_groups] == [5e-4]
     assert [g["lr"] for g in chain.optimizers_dict["muon"].param_groups] == [0.01]
-    opt.zero_grad(set_to_none=False)
+    opt.zero_grad(set_to_none=False)   # issue 42: zero grads where a plain optimizer leaves them, no fp32 buffer kept
     for p in model.parameters():
-        assert p.main_param.grad is not None and not p.main_param.grad.count_nonzero()
+        assert p.main_param.grad is None and p.grad.dtype == p.dtype and not p.grad.count_nonzero()
 
 
 # ---- item 1: cached param identity is detected on the instance, not by class name -------------

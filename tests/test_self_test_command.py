@@ -373,3 +373,9 @@ def test_the_command_imports_no_torch_until_it_runs_and_finds_its_checks():
     assert list(checks) == BASE_CHECKS + FIXTURE_CHECKS
     assert {name: patch for name, (_, patch) in checks.items() if patch} == {
         "te_fused_adam": "te_fused_adam_dtensor", "hyper_skip_dispatch": "hp_skip_dispatch_adamw"}
+
+
+def test_the_readme_first_screen_names_the_self_test():
+    """Issue 42: a reader who stops after the first screen (about 40 lines) knows the command exists."""
+    first_screen = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()[:40]
+    assert any("npu-fsdp-patches self-test" in line for line in first_screen)

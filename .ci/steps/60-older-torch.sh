@@ -32,6 +32,7 @@ export NPU_FSDP_TESTS_REQUIRE_TE_WHEELS=1 CUDA_VISIBLE_DEVICES=""
 LEAN=(
     tests/test_foreach_adamw.py tests/test_foreach_adamw_contract.py tests/test_fused_adam.py
     tests/test_layouts.py tests/test_main_params.py tests/test_main_params_optimizer_contract.py
+    tests/test_main_params_model_writes.py tests/test_main_params_zero_grad.py tests/test_main_params_grad_scaler.py
     tests/test_main_params_hyper.py tests/test_main_params_acceptance.py
     tests/test_hp_skip_dispatch_patch.py tests/test_hp_fp32_main_params_patch.py
     tests/test_te_fused_adam_patch.py tests/test_main_params_veomni_checkpointer.py
@@ -69,6 +70,7 @@ FULL=(
     tests/test_megatron_initialize_state.py tests/test_generated_cases.py
     tests/test_rebuild_main_params_planner.py
     tests/cli/test_checkpoint_command.py
+    tests/test_main_params_torch_code_two_ranks.py
 )
 
 # EDGE_TORCH (the oldest and the newest) add the compiled steps (issue 33; with the README's 2.13.0, three

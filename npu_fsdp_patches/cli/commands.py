@@ -52,14 +52,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _patch_doc(name: str) -> str | None:
-    """The patch class's docstring, else its module's: what the patch changes."""
+    """What the patch changes: its class docstring, read as data from the patch module's source (so that
+    ``python -OO``, which strips docstrings, keeps it), else the loaded class's or module's docstring."""
     provider = RUNTIME.provider(name) or loader.available().get(name)
     value = provider.value if provider else None
-    try:
-        patch_class = type(loader.load_patch(value)) if value else None
-    except Exception:  # noqa: BLE001 - explain still works without the docstring
+    if not value:
         return None
-    if patch_class is None:
+    from ..plan import declarations   # ast: not on the activation path
+    module = value.partition(":")[0]
+    for declared in declarations.read_module(module):
+        if declared.value == value and declared.doc:
+            return declared.doc
+    try:
+        patch_class = type(loader.load_patch(value))
+    except Exception:  # noqa: BLE001 - explain still works without the docstring
         return None
     return patch_class.__doc__ or getattr(sys.modules.get(patch_class.__module__), "__doc__", None)
 

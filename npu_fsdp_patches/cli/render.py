@@ -213,8 +213,9 @@ def explain_text(spec: PatchSpec, record: dict | None, frameworks: dict, doc: st
         lines += _row("  decision  ", f"{record['decision']}: {record['reason']}")
         lines += _row("  state     ", record["state"] + (f": {_why(record)}" if record["state"] in
                                                          ("failed", "skipped") else ""))
-    if doc:
-        lines += ["", "What it changes:"] + reflow(doc)
+    lines += ["", "What it changes:"] + (reflow(doc) if doc else wrap(
+        "  (missing: the patch's description is its class docstring, and neither its source nor the loaded "
+        "class has one; python -OO strips docstrings from modules it runs without their source)", indent="  "))
     lines += ["", "Targets (? = optional, absent in some framework generations):"]
     lines += [f"  {t.symbol}" + ("?" if t.optional else "") for t in spec.targets]
     lines += ["", "Gate (enabled when every condition of any one alternative holds):"]

@@ -10,7 +10,7 @@ from torch import nn
 
 from .tensors import is_foreign_dtensor, is_torch_dtensor, local_tensor
 
-__all__ = ["fp32_main_param", "fp32_grad", "clear_grads"]
+__all__ = ["fp32_main_param", "fp32_grad", "clear_grads", "released_grads", "zero_grad_like"]
 
 #: main params and their grads are contiguous on every rank: torch's fused optimizer kernels pair
 #: param, grad and state elements by memory position, so a leaf AdamW(fused=True) needs one layout
@@ -77,3 +77,20 @@ def clear_grads(p: torch.Tensor, set_to_none: bool) -> None:
                 local_tensor(value).zero_()
     if hasattr(p, "grad_added_to_main_grad"):
         p.grad_added_to_main_grad = False
+
+
+def released_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.dtype | None]:
+    """The dtype of each model param's ``grad`` (None: no grad), taken before a step moves them to the main params."""
+    return [None if model.grad is None else model.grad.dtype for model, _ in pairs]
+
+
+def zero_grad_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A zero grad of ``dtype`` laid out like ``p`` (its DTensor layout kept, built on the local shard: no
+    DTensor dispatch, which hyper-parallel refuses outside ``SkipDTensorDispatch``)."""
+    local = torch.zeros_like(local_tensor(p), dtype=dtype)
+    if is_foreign_dtensor(p):
+        return type(p).from_local(local, p.device_mesh, p.placements)
+    if is_torch_dtensor(p):
+        return type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return local

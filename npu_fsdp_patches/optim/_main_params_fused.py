@@ -6,7 +6,10 @@ bf16 -> fp32 grad cast, the update and the fp32 -> bf16 copy back (docs/performa
 :func:`compiled_adam_step` runs what the leaf's step runs, torch's functional ``adam`` with the group's
 settings as dynamo shows them to torch's own compiled step (``capturable=True``), on the local shards,
 with the cast grads handed to it directly: one traced region, which inductor fuses into kernels that
-read the bf16 grad and write the bf16 model param (no fp32 grad is written to memory).
+read the bf16 grad and write the bf16 model param (no fp32 grad is written to memory). Model params written
+since the last step (docs/main_params.md#contract-with-torch-code) are adopted first, by value, in the same
+region: the kernels also read the bf16 model param. (Handing the update ``where(written, model, main)``
+instead of adopting in place cost the same and changed inductor's bits against torch's compiled AdamW.)
 
 It runs only while dynamo traces, on torch >= 2.7, and only for a leaf that is exactly ``torch.optim.Adam``/``AdamW``
 with torch's own ``step``, no step hooks (the leaf's or global ones: its step would fire them), no
@@ -23,6 +26,7 @@ from torch.optim import adam as torch_adam
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from ._main_param_tensors import released_grads
 from .tensors import local_tensor, local_tensors
 
 __all__ = ["compiled_adam_step", "fusable_leaf"]
@@ -52,6 +56,8 @@ def compiled_adam_step(opt) -> bool:
     region, or ``False`` (nothing done) where it does not apply; see the module docstring."""
     if not (opt._fusable_leaf and torch.compiler.is_compiling()):
         return False
+    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+        return False   # driven by GradScaler.step: the ordinary path unscales and skips
     leaf = opt.optimizer
     if _hooked(leaf) or leaf.defaults.get("differentiable"):
         return False
@@ -86,8 +92,10 @@ def compiled_adam_step(opt) -> bool:
 
 @torch.no_grad()
 def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
-    opt._refresh_derived_main_params()   # as step_with_ready_grads
-    for model, main in opt._low_precision_pairs():   # as prepare_grads; the grads are held in plan
+    opt._before_update()   # as step_with_ready_grads: model writes adopted, derived main params refreshed
+    pairs = opt._low_precision_pairs()
+    opt._released[:] = released_grads(pairs)
+    for model, main in pairs:   # as prepare_grads; the grads are held in plan
         model.grad = None
         main.grad = None
     decoupled_default = isinstance(leaf, torch.optim.AdamW)
@@ -127,4 +135,4 @@ def _step(opt, leaf: torch.optim.Optimizer, plan: list) -> None:
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
             maximize=group["maximize"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", decoupled_default))
-    opt._finish_step(leaf.param_groups)   # as step_with_ready_grads
+    opt._finish_step(leaf.param_groups, eager=False)   # as step_with_ready_grads

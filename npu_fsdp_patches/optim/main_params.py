@@ -9,7 +9,10 @@ swaps it into the leaf optimizers' param groups (existing state moves with it), 
     step_with_ready_grads()  leaf optimizers step on the main params, then main -> model params
 
 The update formulas of the leaf optimizers (AdamW, Muon, ...) are untouched: they simply see fp32
-params. FP32 params are their own main param (``p.main_param is p``), with no copy.
+params. FP32 params are their own main param (``p.main_param is p``), with no copy. A model param written
+between steps (``load_state_dict``, an in-place write, ``p.data = t``) is the truth at the next step: its main
+param is re-derived from it (:mod:`._model_writes`). fp16 models train with torch's ``GradScaler``
+(:mod:`._loss_scaling`). The contract with torch code: docs/main_params.md#contract-with-torch-code.
 
 Params may be plain tensors, torch DTensors (``fully_shard``) or hyper-parallel DTensors. Copies
 between model and main params go local shard to local shard, so no collective is added and
@@ -33,10 +36,12 @@ import torch
 from torch import nn
 
 from ._leaf_views import MAIN_PARAM, LeafDefaults, LeafParamGroups, LeafState, ModelParamGroup
-from ._main_param_tensors import clear_grads, fp32_grad
+from ._loss_scaling import found_inf, unscale_, widen_fp16_grads, widened
+from ._main_param_tensors import clear_grads, fp32_grad, released_grads, zero_grad_like
 from ._main_params_fused import compiled_adam_step, fusable_leaf
 from ._main_params_build import (check_new_group, check_params, leaf_optimizers, main_params_for, record_wrap,
                                  reset_param_caches, swap_in_main_params)
+from ._model_writes import ModelWrites, adopt_written, check_layouts, rederive_from_model
 from ._main_params_state import (MAIN_PARAMS_KEY, MP_KEY, check_main_param, copy_into_main, fqn_layout,
                                  merge_rfc_section, native_state_dict, raise_partial_main_params, rfc_section,
                                  split_by_leaf, unflatten)
@@ -72,6 +77,9 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     An optimizer that already keeps fp32 masters of its own (another main-params wrapper,
     ``FusedAdam(master_weights=True)``, veomni's ``MasterFP32AdamW``) is refused with the reason,
     before anything is written.
+
+    Writes to the model between steps are kept, ``zero_grad`` leaves the grads a plain optimizer
+    leaves, and ``torch.amp.GradScaler`` drives it as torch documents.
     """
 
     def __init__(self, optimizer: Any, model: nn.Module) -> None:
@@ -102,6 +110,13 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             reset_param_caches(optimizer, self.leaf_optimizers,
                                {main: self.model_param(main) for main in self._main_params()},
                                {id(m): self.fqn(m) for m, _ in self._low_precision_pairs()})
+            #: per bf16/fp16 param, the dtype of the grad the last step moved to its main param (None: it had
+            #: none), so that ``zero_grad(set_to_none=False)`` gives back the zero grad a plain optimizer keeps
+            self._released: list[torch.dtype | None] = [None] * len(self._low_precision_pairs())
+            #: main params written by a load or a ``state[p]["main_param"]`` write since the last copy back:
+            #: they hold values the model does not (yet); a compiled step cannot tell them from model writes
+            self._main_ahead: frozenset[int] = frozenset()
+            self._widen_fp16_grads()   # last: undoes itself if it fails midway
         except BaseException:
             rollback.restore()   # the optimizer and model as they were handed in
             raise
@@ -129,6 +144,11 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                               and fusable_leaf(self.optimizer))
         self._layouts = {id(main): (tuple(main.shape), tuple(main.stride()))
                          for main in self._main_params() if is_torch_dtensor(main)}
+        #: the model params' fingerprints as the wrapper last wrote them (writes between steps, _model_writes);
+        #: params added since keep the pending writes of the others (a copy builds its own)
+        models = [model for model, _ in self._low_precision_pairs()]
+        tracked = vars(self).get("_writes")
+        self._writes = ModelWrites(models) if tracked is None else tracked.grown(models)
 
     # ---- iteration helpers -----------------------------------------------------------------------
     # Lists, not generators: the compiled step (prepare_grads, _copy_pairs, zero_grad) iterates them,
@@ -198,23 +218,37 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return f"a {type(param).__name__} that is no param of the wrapped optimizers"
 
     def _copy_into_main(self, main: torch.Tensor, value: Any) -> None:
-        copy_into_main(main, value, self.fqn(main))
+        records = self._writes.saved(), self._main_ahead
+        self._mains_written([main])
+        try:
+            copy_into_main(main, value, self.fqn(main))
+        except BaseException:
+            self._writes.restore(records[0])
+            vars(self)["_main_ahead"] = records[1]
+            raise
 
     def __getstate__(self) -> dict:
         """Like torch's Optimizer: everything but the hooks (which may hold lambdas)."""
         state = {k: v for k, v in self.__dict__.items()
-                 if not k.startswith("_optimizer_") and k not in ("_state_view", "_derived_from_model")
+                 if not k.startswith("_optimizer_")
+                 and k not in ("_state_view", "_derived_from_model", "_main_ahead", "_writes", "_widened",
+                               "_widen_handles")
                  and not k.endswith("_by_id")}
-        state["_derived"] = [id(main) in self._derived_from_model for _, main in self._low_precision_pairs()]
+        pairs = self._low_precision_pairs()
+        state["_derived"] = [id(main) in self._derived_from_model for _, main in pairs]
+        state["_ahead"] = [id(main) in self._main_ahead for _, main in pairs]
         return state
 
     def __setstate__(self, state: dict) -> None:
-        derived = state.pop("_derived")
+        derived, ahead = state.pop("_derived"), state.pop("_ahead", None)
         state.setdefault("_non_param_state", {})
         self.__dict__.update(state)
         init_optimizer_contract(self)
         self._index_params()   # id-keyed lookups hold ids of the original's params
-        self._derived_from_model = {id(main) for (_, main), d in zip(self._low_precision_pairs(), derived) if d}
+        pairs = self._low_precision_pairs()
+        self._derived_from_model = {id(main) for (_, main), d in zip(pairs, derived) if d}
+        self._main_ahead = frozenset(id(main) for (_, main), a in zip(pairs, ahead or []) if a)
+        self._widen_fp16_grads()   # a copy's params carry neither the hooks nor grad_dtype
 
     def __repr__(self) -> str:
         leaves = "\n".join(repr(leaf) for leaf in self.leaf_optimizers)
@@ -246,8 +280,11 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             derived = self._derived_from_model | {id(main) for main in mains}
             self._index_params()
             self._derived_from_model = derived   # new main params are as derived from the model
+            self._released = [*self._released, *[None] * len(mains)]
             reset_param_caches(self.optimizer, self.leaf_optimizers,
                                {main: self.model_param(main) for main in self._main_params()}, {})
+            self._widened = self._widened | {id(p) for p in widened(float16)}
+            widen_fp16_grads(self, float16, self._widen_handles)   # last: undoes itself if it fails midway
         except BaseException:
             rollback.restore()
             raise
@@ -267,13 +304,27 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             group = dict(group)
         self.add_param_group(group)
 
+    #: ``GradScaler.step`` hands this optimizer the scale and the inf/NaN flag and calls its step, which skips on
+    #: inf/NaN and unscales the fp32 main grads itself (:mod:`._loss_scaling`), as torch's fused Adam does
+    _step_supports_amp_scaling = True
+
+    def _widen_fp16_grads(self) -> None:
+        """fp16 model params accumulate fp32 grads (torch >= 2.10), which ``GradScaler.unscale_`` accepts.
+        The wrapper's attributes are set first: nothing can fail after the params were changed."""
+        models = [model for model, _ in self._low_precision_pairs()]
+        self._widened: set[int] = {id(p) for p in widened(models)}
+        self._widen_handles: list = []
+        widen_fp16_grads(self, models, self._widen_handles)
+
     # ---- step lifecycle --------------------------------------------------------------------
     @torch.no_grad()
     def prepare_grads(self) -> None:
         """Hand each main param its fp32 grad: ``main_grad`` first, else ``grad.float()``."""
         # under torch.compile a traced DTensor's stride() is symbolic: give from_local the ints cached here
         layouts = self._layouts if torch.compiler.is_compiling() else {}
-        for model_param, main_param in self._low_precision_pairs():
+        pairs = self._low_precision_pairs()
+        self._released[:] = released_grads(pairs)   # in place: torch 2.6's dynamo cannot set an optimizer's attribute
+        for model_param, main_param in pairs:
             grad = getattr(model_param, "main_grad", None)
             if grad is None:
                 grad = model_param.grad
@@ -289,10 +340,21 @@ class MainParamsOptimizer(torch.optim.Optimizer):
     def step_with_ready_grads(self) -> bool:
         """Step the leaf optimizers on the main params, then copy main -> model params.
 
-        Main params still as derived from the model (never trained or loaded) are first refreshed
-        from it: the model may have been loaded since, and torch's priming step would otherwise
-        copy the stale values over it."""
+        Main params are first brought up to date with the model: model params written since the
+        wrapper last wrote them are the truth (:meth:`_adopt_model_writes`), and main params still as
+        derived from the model (never trained or loaded) take its current values (torch's priming
+        step would otherwise copy stale values over a model loaded after wrapping)."""
+        eager = not torch.compiler.is_compiling()   # read here: after the leaves' graph break it misleads dynamo
+        self._before_update()
+        self._step_leaves(eager)
+        return True
+
+    def _before_update(self) -> None:
+        """Before the leaves step (eager and compiled): model writes adopted, derived main params refreshed."""
+        self._adopt_model_writes()
         self._refresh_derived_main_params()
+
+    def _step_leaves(self, eager: bool) -> None:
         paused = pause_global_step_hooks()   # one step to torch code: global hooks fire for the wrapper only
         try:
             if isinstance(self.optimizer, (list, tuple, dict)):
@@ -302,8 +364,40 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                 self.optimizer.step()   # a chained optimizer keeps its own step order
         finally:
             resume_global_step_hooks(paused)
-        self._finish_step(self.param_groups)
-        return True
+        self._finish_step(self.param_groups, eager)
+
+    def _adopt_model_writes(self) -> None:
+        """Model params written since the wrapper last wrote them are the truth: their main params are
+        re-derived from them element by element (:mod:`._model_writes`). Eager steps compare only params
+        whose fingerprint moved; inside a compiled graph, where versions cannot be read, every param is
+        compared by value, except right after a load or main-param write (main params then hold values the
+        model does not, so that one step takes the eager route, through a graph break)."""
+        if torch.compiler.is_compiling():
+            if self._main_ahead:
+                _adopt_outside_graph(self)
+                return
+            pairs = self._low_precision_pairs()   # derived ones too: one graph for every step
+            check_layouts(pairs, self.fqn)
+            for model, main in pairs:
+                rederive_from_model(local_tensor(main), local_tensor(model))
+            return
+        pairs = self._low_precision_pairs()
+        models = [model for model, _ in pairs]
+        moved = self._writes.moved(models)
+        if moved:
+            adopt_written([pairs[i] for i in moved], self.fqn)
+            self._writes.record(models, moved)
+
+    def _mains_written(self, mains: list[torch.Tensor], ahead: bool = True) -> None:
+        """Main params just written by a load or a ``state[p]["main_param"]`` write: they win over model
+        writes made before (the later write wins), and keep their values until the next copy back
+        (``ahead``; else they were rebuilt from the model and equal it)."""
+        index = {id(main): i for i, (_, main) in enumerate(self._low_precision_pairs())}
+        written = [index[id(main)] for main in mains if id(main) in index]
+        if written:
+            self._writes.record([model for model, _ in self._low_precision_pairs()], written)
+            if ahead:
+                self._main_ahead = self._main_ahead | {id(main) for main in mains if id(main) in index}
 
     def _refresh_derived_main_params(self) -> None:
         """Before a step: main params still as derived from the model take the model's current values."""
@@ -311,29 +405,56 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             self._copy_pairs(to_model=False, pairs=[(m, f) for m, f in self._low_precision_pairs()
                                                      if id(f) in self._derived_from_model])
 
-    def _finish_step(self, groups: list) -> None:
+    def _finish_step(self, groups: list, eager: bool) -> None:
         """After a step: the main params count as trained once a step ran at a nonzero lr (torch's priming
-        step runs at lr=0), then main -> model params. The lr is read only while some main param is still
-        derived: a tensor lr's value is data, on which dynamo would graph-break in every compiled step."""
+        step runs at lr=0), then main -> model params, whose fingerprints are taken when ``eager`` (a compiled
+        graph cannot read them; the next eager step compares by value once). ``eager`` comes from the caller:
+        ``torch.compiler.is_compiling()`` read here, after the leaves' graph break, makes dynamo drop this
+        method's attribute writes (torch 2.13). The lr is read only while some main param is still derived: a
+        tensor lr's value is data, on which dynamo would graph-break in every compiled step."""
         if self._derived_from_model and any(_nonzero(group.get("lr", 1.0)) for group in groups):
             self._derived_from_model = set()
         self._copy_main_params_to_model_params()
+        if self._main_ahead:
+            self._main_ahead = frozenset()
+        if eager:
+            self._writes.record_versions([model for model, _ in self._low_precision_pairs()])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``prepare_grads`` then ``step_with_ready_grads``. Compiled over one torch Adam/AdamW whose state
         exists, the same step traced as one graph (:mod:`._main_params_fused`), which never stores the fp32
-        cast of a bf16 grad: ``main_param.grad`` is then ``None`` after the step."""
+        cast of a bf16 grad: ``main_param.grad`` is then ``None`` after the step. Called by
+        ``GradScaler.step`` (``_step_supports_amp_scaling``): nothing is written when it found an inf/NaN grad,
+        and the fp32 main grads are unscaled after the cast when it hands a scale (:mod:`._loss_scaling`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not compiled_adam_step(self):   # compiled over a torch Adam/AdamW: one graph, else as eager
-            self.prepare_grads()
-            self.step_with_ready_grads()
+        if found_inf(self):   # GradScaler.step found an inf/NaN grad: nothing is written, as torch skips the step
+            return loss
+        if compiled_adam_step(self):   # compiled over a torch Adam/AdamW: one graph
+            return loss
+        eager = not torch.compiler.is_compiling()   # read before the leaves' graph break (see _finish_step)
+        self._before_update()   # first: a refused model write leaves the grads where they were; compiled, the
+        self.prepare_grads()    # by-value adoption shares the grads' graph (alone it cost a graph and a pass)
+        self._unscale_main_grads()
+        self._step_leaves(eager)
         return loss
 
+    def _unscale_main_grads(self) -> None:
+        """``GradScaler.step`` without ``unscale_`` before it hands the scale: unscale the fp32 grads now."""
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            unscale_([p.grad for p in self._main_params() if p.grad is not None], scale)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the main params' grads and the model params' ``grad`` and ``main_grad``."""
+        """As torch's ``zero_grad`` on the model params, whose grads a step moved to the main params: with
+        ``set_to_none=False`` every model param that had a grad at the step gets a zero grad back (of that
+        grad's dtype), as a plain optimizer leaves one. The fp32 main params of bf16/fp16 params never keep a
+        grad (the next step makes it again), and ``main_grad`` attributes are cleared as ``grad``."""
+        pairs = self._low_precision_pairs()
+        for _, main in pairs:
+            main.grad = None
         for leaf in self.leaf_optimizers:
             params = [p for group in leaf.param_groups for p in group["params"]]
             if not set_to_none and any(is_foreign_dtensor(p.grad) for p in params):
@@ -343,8 +464,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
                     clear_grads(p, set_to_none=False)
             else:
                 leaf.zero_grad(set_to_none=set_to_none)
-        for model_param, _ in self._low_precision_pairs():
+        released = list(self._released)
+        self._released[:] = [None] * len(pairs)
+        for (model_param, _), dtype in zip(pairs, released):
             clear_grads(model_param, set_to_none)
+            if not set_to_none and model_param.grad is None and dtype is not None:
+                model_param.grad = zero_grad_like(model_param, dtype)
         for p in self._fp32_params():
             clear_grads(p, set_to_none)
 
@@ -365,6 +490,8 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         docs/hyper_parallel.md#rfc-001-8-main_grad-and-step)."""
         self._copy_pairs(to_model=False)
         self._derived_from_model = {id(main) for _, main in self._low_precision_pairs()}
+        self._main_ahead = frozenset()
+        self._writes.record([model for model, _ in self._low_precision_pairs()])
 
     # ---- state dict --------------------------------------------------------------------------
     def main_params_by_fqn(self) -> dict[str, nn.Parameter]:
@@ -381,6 +508,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
         return run_state_dict_hooks(self, self._state_dict)
 
     def _state_dict(self) -> dict:
+        self._adopt_model_writes()   # the main params as the next step would use them
         if not any(is_foreign_dtensor(p) for p in self._main_params()):
             state_dict = native_state_dict(self.leaf_optimizers, self.model_param)
         else:   # never reaches torch's API (docs/main_params.md §2.1): upstream's own layout
@@ -456,6 +584,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             rollback.tensor(main)
         rollback.dict(self._non_param_state)
         derived = self._derived_from_model   # replaced below, never mutated: restored as is
+        records = self._writes.saved(), self._main_ahead
         try:
             for leaf, native in zip(self.leaf_optimizers, natives):
                 leaf.load_state_dict(native)
@@ -465,9 +594,13 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             self._non_param_state.clear()   # replaced by the loaded ones, as torch replaces its state
             self._non_param_state.update(non_param_state)
             self._derived_from_model = (derived - {id(main) for _, main, _ in load}) | {id(m) for _, m in rebuild}
+            self._mains_written([main for _, main, value in load if local_tensor(value) is not local_tensor(main)])
+            self._mains_written([main for _, main in rebuild], ahead=False)   # equal to the model now
         except BaseException:
             rollback.restore()
             vars(self)["_derived_from_model"] = derived
+            self._writes.restore(records[0])
+            vars(self)["_main_ahead"] = records[1]
             raise
         if not_loaded:
             warnings.warn(
@@ -488,6 +621,12 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             return False
         model_local = local_tensor(model)
         return not torch.equal(local_tensor(main).to(model_local.dtype), model_local)
+
+
+@torch._disable_dynamo
+def _adopt_outside_graph(opt: MainParamsOptimizer) -> None:
+    """:meth:`MainParamsOptimizer._adopt_model_writes` as an eager step runs it, from a compiled step."""
+    opt._adopt_model_writes()
 
 
 def _nonzero(lr: Any) -> bool:

@@ -5,12 +5,15 @@ DataLoader worker. A configuration message computed from the same environment wo
 So the first process that says something records it in one environment variable, :data:`MARKER`,
 which every child inherits:
 
-    NPU_FSDP_PATCHES_SAID=<pid>;<summary pid>;<digest>,<digest>,...
+    NPU_FSDP_PATCHES_SAID=<writer>;<summary process>;<digest>,<digest>,...
 
-``pid`` is the process that last wrote it and must still be alive for a child to trust it (a copied
-environment of a finished job names a dead process), ``summary pid`` the process that logs the
-activation summary, each ``digest`` a message already logged. A launcher (torchrun's agent) starts a new
-job, so it ignores what it inherited. Rules, in one place:
+``writer`` is the process that last wrote it, ``summary process`` the one that logs the activation summary,
+each ``digest`` a message already logged. A process is named by a *stamp*, ``<pid>.<start time>.<boot id>``
+where ``/proc`` gives them (Linux), else ``<pid>``. A child trusts the value only when the writer is itself
+or one of its ancestors and, on Linux, the live process of that pid started at the stamped time on the
+stamped boot: an environment copied from another job names a dead process, or one whose pid a new process
+now holds (PID 1 of every container; pids repeat), which started at another time. A launcher (torchrun's
+agent) starts a new job, so it ignores what it inherited. Rules, in one place:
 
 * a configuration message is logged unless an ancestor logged the same text, or this is a rank whose
   ``LOCAL_RANK`` is not 0 (local rank 0 of the node says it);
@@ -37,6 +40,44 @@ def _digest(message: str) -> str:
     return hashlib.sha256(message.encode("utf-8", "replace")).hexdigest()[:16]
 
 
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3... of ``/proc/<pid>/stat`` (state, ppid, ..., starttime is index 19), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()   # the command name may hold spaces and parentheses
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip().replace("-", "")[:12]
+    except OSError:
+        return ""
+
+
+def stamp(pid: int) -> str:
+    """``<pid>.<start time>.<boot id>`` where ``/proc`` gives them, else ``<pid>``."""
+    fields = _proc_stat(pid)
+    return f"{pid}.{fields[19]}.{_boot_id()}" if fields and len(fields) > 19 else str(pid)
+
+
+def _ancestors() -> set[int]:
+    """This process and its ancestors (``/proc`` walk; elsewhere this process and its parent)."""
+    found, pid = {os.getpid()}, os.getpid()
+    for _ in range(256):
+        fields = _proc_stat(pid)
+        if fields is None:
+            return found | {os.getppid()}
+        pid = int(fields[1])
+        if pid <= 0 or pid in found:
+            return found
+        found.add(pid)
+    return found
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -49,6 +90,18 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def trusted(value: str) -> int:
+    """The pid a stamp names if that process is this one or an ancestor and, where ``/proc`` can tell, the very
+    process that wrote the stamp (same start time, same boot); else 0."""
+    try:
+        pid = int(value.split(".")[0])
+    except ValueError:
+        return 0
+    if pid <= 0 or pid not in _ancestors() or not _alive(pid):
+        return 0
+    return pid if stamp(pid) == value else 0
 
 
 def is_launcher(argv: list, orig_argv: list) -> bool:
@@ -69,17 +122,11 @@ class JobLog:
         said, summary_pid = set(), 0
         if not self.launcher:
             parts = environ.get(MARKER, "").split(";")
-            try:
-                writer, summary_pid = int(parts[0]), int(parts[1] or 0)
-            except (ValueError, IndexError):
-                writer = 0
-            if len(parts) == 3 and _alive(writer):
-                said = {d for d in parts[2].split(",") if d}
-            else:
-                summary_pid = 0
+            if len(parts) == 3 and trusted(parts[0]):
+                said, summary_pid = {d for d in parts[2].split(",") if d}, trusted(parts[1])
         self.said = said
         rank = (environ.get("RANK", "0").strip() or "0") == "0"
-        inherited = summary_pid and summary_pid != os.getpid() and _alive(summary_pid)
+        inherited = summary_pid and summary_pid != os.getpid()
         self.owns_summary = rank and not self.launcher and not inherited
         self.summary_pid = os.getpid() if self.owns_summary else summary_pid
         self.local_rank_zero = (environ.get("LOCAL_RANK", "0").strip() or "0") == "0"
@@ -101,7 +148,8 @@ class JobLog:
         """Hand what was said to children; only into the real environment of this process."""
         if self.environ is not os.environ:
             return
-        value = f"{os.getpid()};{self.summary_pid or ''};{','.join(sorted(self.said))}"
+        summary = stamp(self.summary_pid) if self.summary_pid else ""
+        value = f"{stamp(os.getpid())};{summary};{','.join(sorted(self.said))}"
         if os.environ.get(MARKER) != value:
             os.environ[MARKER] = value
 

@@ -119,8 +119,11 @@ def run(adamw_kwargs):
         if set_to_none:
             zeroed = hm.w.main_grad is None and hm.w.main_param.grad is None and hm.b.main_param.grad is None
         else:
-            zeroed = (not hm.w.main_grad.to_local().any() and not local_tensor(hm.w.main_param.grad).any()
-                      and not local_tensor(hm.b.main_param.grad).any())
+            # issue 42: main_grad zeroed in place; no main param keeps a grad; b's released bf16 grad comes back
+            # as a zero hyper DTensor grad, as a plain optimizer leaves it (built on the local shard: no dispatch)
+            zeroed = (not hm.w.main_grad.to_local().any() and hm.w.main_param.grad is None and hm.w.grad is None
+                      and hm.b.main_param.grad is None and type(hm.b.grad) is type(hm.b)
+                      and hm.b.grad.dtype == hm.b.dtype and not local_tensor(hm.b.grad).any())
         out["zeroed"].append(zeroed)
 
     # fp32 tails: bf16 cannot hold the small-lr params' main values, and their bf16 params never moved

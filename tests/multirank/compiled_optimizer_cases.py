@@ -296,15 +296,38 @@ def _decay_lr(groups, factor):
             group["lr"] *= factor
 
 
+def _write(model, how, snapshot):
+    """A write to the model between steps (issue 42): weight clipping or a rewind to ``snapshot``."""
+    if how == "rewind":
+        model.load_state_dict(snapshot)
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.05, 0.05)
+
+
+@torch.no_grad()
+def _rederive(masters, params):
+    """The reference's side of a model write: each fp32 master takes the model's value where the model param no
+    longer equals the master rounded (bit for bit), as MainParamsOptimizer does (docs/main_params.md)."""
+    from npu_fsdp_patches.optim.tensors import local_tensor
+    for m, p in zip(masters, params):
+        m_l, p_l = local_tensor(m), local_tensor(p)
+        same = m_l.to(p_l.dtype).view(torch.int16) == p_l.view(torch.int16)
+        m_l.copy_(torch.where(same, m_l, p_l.float()))
+
+
 def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=False, muon=False,
-                     leaf=None, lr_tensor=False, groups=None, main_grad=False, keep_grads=False):
+                     leaf=None, lr_tensor=False, groups=None, main_grad=False, keep_grads=False, write=None):
     """compiled ``MainParamsOptimizer`` over AdamW (or Muon + AdamW) vs a compiled fp32-master reference;
     world 2 is ``fully_shard`` with ``reduce_dtype`` bf16 (the grad cast path) or fp32. ``leaf``: ``[class
     name, kwargs]`` of another torch optimizer for both (e.g. Adam with amsgrad). ``lr_tensor``: every lr a
     tensor, decayed in place before each step after the first; ``groups``: several param groups (see
     ``_leaf_factory``); ``main_grad``: the grads accumulated into fp32 ``main_grad`` attributes, as hyper and
     Megatron write them; ``keep_grads``: ``zero_grad(set_to_none=False)`` between steps (the reference zeroes
-    the same tensors in place)."""
+    the same tensors in place); ``write``: before the second step the model is written (``"clamp"``: weight
+    clipping in place, ``"rewind"``: ``load_state_dict`` of its initial values), the reference's fp32 masters
+    re-derived from it by the documented rule."""
     if lr_tensor or groups:   # a tensor lr with foreach needs capturable=True (torch's recipe)
         leaf = leaf or ["AdamW", {**ADAMW, "foreach": True, "capturable": lr_tensor}]
     leaf_factory = _leaf_factory(leaf, lr_tensor, groups) if leaf else None
@@ -314,7 +337,8 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
     def build(ours):
         def make():
             model = _model(world, mesh, getattr(torch, reduce))
-            holder["model"] = model
+            holder["model"], holder["ref"] = model, None
+            holder["snapshot"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             if ours:
                 leaf = (build_muon_adamw(model, muon_kwargs=MUON, adamw_kwargs={**ADAMW, "foreach": True})
                         if muon else leaf_factory(model.parameters()) if leaf_factory
@@ -325,6 +349,7 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
                 return opt.step, lambda: list(model.parameters()) + mains + [
                     t for p in model.parameters() for t in _state_tensors(opt.state[p])]
             ref = _Fp32MasterReference(model, muon, leaf_factory)
+            holder["ref"] = ref
             holder["groups"] = [g for opt in ref.opts for g in opt.param_groups]
             holder["zero_grad"] = lambda set_to_none: [getattr(p, name).zero_() for p in model.parameters()
                                                        for name in ("grad", "main_grad")
@@ -335,6 +360,10 @@ def main_params_case(rank, world, backend="aot_eager", reduce="bfloat16", eager=
 
     def grads(i):
         model = holder["model"]
+        if write and i == 1:
+            _write(model, write, holder["snapshot"])
+            if holder["ref"] is not None:
+                _rederive(holder["ref"].masters, holder["ref"].params)
         if i and keep_grads:
             holder["zero_grad"](set_to_none=False)
         if i and lr_tensor:

@@ -95,6 +95,32 @@ def test_a_copied_environment_of_a_finished_process_silences_nothing(tmp_path):
     assert "is not a variable of npu_fsdp_patches" not in again.stderr   # the marker is ours
 
 
+@pytest.mark.parametrize("writer", ["{pid}", "{pid}.1.0123456789ab", "1"])
+def test_a_copied_environment_naming_a_live_ancestor_silences_nothing(tmp_path, writer):
+    """Issue 42: a marker copied from another job whose writer's pid is now held by a live ancestor (PID 1 of
+    every container; pids repeat): here this test process, a live ancestor of the child that did not write it,
+    by bare pid and by a stamp of another start time, and PID 1. The child logs as a new job."""
+    site = install_fixture("core_demo", tmp_path)
+    code = "import npu_fsdp_patches, demo_target"
+    first = run_python(code + "\nimport os; print(os.environ['NPU_FSDP_PATCHES_SAID'])", paths=[site],
+                       env=demo_env(site, NPU_FSDP_PATCHES_DISABLE="demo_shuot"))
+    digests = first.stdout.split()[-1].split(";")[2]
+    marker = f"{writer.format(pid=os.getpid())};{writer.format(pid=os.getpid())};{digests}"
+    again = run_python(code, paths=[site], env=demo_env(site, NPU_FSDP_PATCHES_DISABLE="demo_shuot",
+                                                        NPU_FSDP_PATCHES_SAID=marker, NPU_FSDP_PATCHES_LOG="info"))
+    assert UNKNOWN in again.stderr and SUMMARY in again.stderr, again.stderr
+
+
+def test_a_stamp_names_this_process_by_pid_start_time_and_boot():
+    from npu_fsdp_patches.runtime.job_log import stamp, trusted
+    mine = stamp(os.getpid())
+    assert trusted(mine) == os.getpid()
+    if os.path.exists("/proc/self/stat"):
+        pid, start, boot = mine.split(".")
+        assert int(pid) == os.getpid() and start.isdigit() and len(boot) == 12
+        assert trusted(f"{pid}.{int(start) + 1}.{boot}") == 0 and trusted(pid) == 0
+
+
 def test_ranks_other_than_local_rank_0_do_not_repeat_configuration(tmp_path):
     """Ranks started without a common Python parent (srun, mpirun): local rank 0 of the node says it."""
     site = install_fixture("core_demo", tmp_path)
