@@ -97,8 +97,9 @@ MUTANTS = {
                  " mains)):\n", (MAIN_PARAMS,)),
     "M6": Mutant("the state view counts params, not states (torch's API never primes a fresh wrapper)",
                  "npu_fsdp_patches/optim/_leaf_views.py",
-                 "        return sum(len(leaf.state) for leaf in self._leaves)\n",
-                 "        return sum(len(g[\"params\"]) for leaf in self._leaves for g in leaf.param_groups)\n",
+                 "        return sum(len(leaf.state) for leaf in self._leaves) + len(self._extras)\n",
+                 "        return sum(len(g[\"params\"]) for leaf in self._leaves for g in leaf.param_groups)"
+                 " + len(self._extras)\n",
                  (MAIN_PARAMS,)),
     "M8": Mutant("load_checkpoint expects a main param also of a param the checkpoint has no state for "
                  "(a bug issue 40's cases found, fixed in h-ckpt's main_params_branch)",
