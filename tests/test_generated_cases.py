@@ -2,8 +2,12 @@
 
 Issue 29. Hypothesis draws hyperparameters (lr float or tensor, betas, eps, weight decay, amsgrad,
 maximize), dtypes (complex and float64 included), shapes (0-dim, empty, non-contiguous, uneven shards),
-placements (Shard(0), Shard(1), Replicate), param-group layouts (``add_param_group``, frozen params) and
-grads (None, NaN/Inf, another dtype). Each case must give its documented result
+placements (Shard(0), Shard(1), Replicate on one mesh dim; pairs of them and FSDP2's strided shard on
+two), param-group layouts (``add_param_group``, frozen params), grads (None, NaN/Inf, another dtype, a
+first grad only late in the run) and, issue 40, a resume midway: FusedAdam from its own state dict or a
+one-process run's full state, MainParamsOptimizer over one or two leaf optimizers (Adam/AdamW, SGD,
+Muon; a list, a dict or a chained optimizer) through its state dict, torch's state-dict API or a DCP
+checkpoint. Each case must give its documented result
 (tests/multirank/generated_cases.py ``expected``): bit-exact with torch's optimizer, or a refusal whose
 message names the reason; never a wrong number. In this process the cases run on plain tensors; one
 batch of cases drawn here runs on 2 gloo ranks with torch DTensors, in one launch with a hard timeout.
@@ -23,6 +27,7 @@ from hypothesis import strategies as st
 
 from tests.distributed import run_ranks
 from tests.multirank import generated_cases as gc
+from tests.torch_versions import FLAT_LOAD_FILLS_MISSING_KEYS, loads_params_without_state
 
 _COMMON = dict(deadline=None, database=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -39,6 +44,12 @@ def profile(examples: int) -> settings:
     """The file's settings with ``examples`` draws (times 10 under the long profile)."""
     return settings(_BASE, max_examples=examples * _SCALE)
 
+
+#: torch's set_optimizer_state_dict loads a state dict without an entry for some param (torch 2.6.0 raises
+#: KeyError, for any optimizer): else a case through torch's API whose saved state would lack one (an fp32
+#: param without leaf state; a bf16/fp16 one has its main param) resumes through the state dict instead
+TORCH_API_LOADS_STATELESS = loads_params_without_state()
+TORCH_CHECKPOINTS = ("torch_api", "torch_api_flat", "dcp")
 
 #: a grad of another dtype through ``.grad`` needs ``Tensor.grad_dtype`` (torch 2.13 has it); without it
 #: FusedAdam gets it as ``decoupled_grad`` and MainParamsOptimizer as ``main_grad``
@@ -62,8 +73,20 @@ def _hyper() -> st.SearchStrategy:
     })
 
 
+def _placements(shape: list, mesh: list) -> list[str]:
+    """Every placement a param of ``shape`` can have on ``mesh`` (one per mesh dim, comma-separated:
+    gc.placement): Replicate, Shard of each dim, and on the [1, 2] mesh FSDP2's strided shard of a
+    dim that TP shards too (the 1-D ``_StridedShard`` of DTensor views is not a param's placement)."""
+    one = [f"S{d}" for d in range(min(len(shape), 2))][::-1] + ["R"]   # sharded first: drawn more often
+    if len(mesh) == 1:
+        return one
+    strided = [f"SS{d},S{d}" for d in range(min(len(shape), 2))] if mesh == [1, 2] else []
+    return strided + [f"{a},{b}" for a in one for b in one]
+
+
 @st.composite
-def _param(draw, index: int, n_groups: int, dtypes: list, two_ranks: bool, grad_kinds: list) -> dict:
+def _param(draw, index: int, n_groups: int, dtypes: list, two_ranks: bool, grad_kinds: list,
+           mesh: list | None = None) -> dict:
     shape = draw(st.sampled_from(SHAPES_TWO_RANKS if two_ranks else SHAPES_ONE_PROCESS))
     dtype = draw(st.sampled_from(dtypes))
     layouts = ["contiguous"]
@@ -71,16 +94,18 @@ def _param(draw, index: int, n_groups: int, dtypes: list, two_ranks: bool, grad_
         layouts.append("transposed")
     if not two_ranks and len(shape) >= 1:
         layouts.append("strided")
-    placements = ["R"] + (["S0"] if len(shape) >= 1 else []) + (["S1"] if len(shape) >= 2 else [])
+    mesh = mesh or (draw(st.sampled_from(gc.MESH_SHAPES)) if two_ranks else None)
     spec = {
         "name": f"p{index}", "shape": shape, "dtype": dtype,
         "layout": draw(st.sampled_from(layouts)),
-        "placement": draw(st.sampled_from(placements)) if two_ranks else None,
+        "placement": draw(st.sampled_from(_placements(shape, mesh))) if two_ranks else None,
         "group": draw(st.integers(0, n_groups - 1)),
         "grad": draw(st.sampled_from(grad_kinds)),
         "grad_scale": draw(st.sampled_from([0, 0, -6, 3])),
         "frozen": draw(st.booleans()) and draw(st.booleans()),
     }
+    if two_ranks and mesh != [2]:
+        spec["mesh"] = mesh
     spec["grad_layout"] = draw(st.sampled_from(layouts))
     if spec["grad"] == "other_dtype":
         spec["grad_dtype"] = draw(st.sampled_from([d for d in ("float32", "bfloat16", "float16") if d != dtype]))
@@ -93,10 +118,15 @@ def _rarely(draw) -> bool:
     return draw(st.booleans()) and draw(st.booleans()) and draw(st.booleans())
 
 
+#: Muon steps 2-D params only (torch.optim.Muon refuses others when built)
+MUON_SHAPES = [[2, 3], [3, 2], [4, 1]]
+
+
 @st.composite
 def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None = None) -> dict:
     """One case for ``optimizer`` ("fused_adam", "foreach", "main_params")."""
     n_groups = draw(st.integers(1, 2))
+    extra = {}
     if optimizer == "fused_adam":
         dtypes = dtypes or ["float32", "float32", "bfloat16", "float16"]
         options = {"adam_w_mode": draw(st.booleans()), "master_weights": draw(st.booleans()),
@@ -106,6 +136,8 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
                    "exp_avg_dtype": draw(st.sampled_from(["float32", "bfloat16"])),
                    "exp_avg_sq_dtype": draw(st.sampled_from(["float32", "bfloat16"]))}
         grad_kinds = ["normal", "normal", "none", "nan", "inf", "other_dtype"]
+        # resumed midway from its own state dict, or (on the ranks) from a one-process run's full state
+        extra["checkpoint"] = draw(st.sampled_from(["full", "own", "full", "none"] if two_ranks else ["own", "none"]))
     elif optimizer == "foreach":
         dtypes = dtypes or ["float32", "bfloat16", "float16", "float64", "complex64"]
         fused = draw(st.sampled_from([False, False, True]))
@@ -118,19 +150,39 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
         dtypes = dtypes or ["bfloat16", "bfloat16", "float16", "float32"] + ["float64", "complex64"] * (
             not two_ranks and _rarely(draw))
         fused = draw(st.sampled_from([False, False, True]))
+        # a second leaf optimizer (SGD0: without momentum, so without state; Muon steps whole
+        # matrices: not on sharded params); group gi belongs to leaf gi % 2, handed over as a list, a
+        # dict or a chained optimizer
+        second = draw(st.sampled_from([None, "SGD", "SGD0", "AdamW"] + ([] if two_ranks else ["Muon"])))
         options = {"cls": draw(st.sampled_from(["AdamW", "Adam"])),
                    "foreach": None if fused else draw(st.sampled_from([None, True, False])),
                    "fused": fused, "amsgrad": draw(st.booleans()), "maximize": draw(st.booleans()),
                    "add_group_after_wrap": _rarely(draw)}
-        grad_kinds = ["normal", "normal", "none", "nan", "inf", "other_dtype"]
+        if second:
+            n_groups = draw(st.integers(2, 3))
+            options.update(second=second, container=draw(st.sampled_from(["list", "dict", "chain"])))
+        # "late": no grad (so no state) until the resume step, then grads
+        grad_kinds = ["normal", "normal", "none", "late", "nan", "inf", "other_dtype"]
+        # a DCP checkpoint costs about 0.3 s a case (files written and read): drawn about once in eight
+        extra["checkpoint"] = "dcp" if _rarely(draw) else draw(st.sampled_from(
+            ["torch_api", "state_dict", "none"] + (["torch_api_flat"] if FLAT_LOAD_FILLS_MISSING_KEYS else [])))
     else:
         raise ValueError(optimizer)
-    n_params = draw(st.integers(1, 4))
-    params = [draw(_param(i, n_groups, dtypes, two_ranks, grad_kinds)) for i in range(n_params)]
+    torch_checkpoint = extra.get("checkpoint") in TORCH_CHECKPOINTS
+    n_params = draw(st.integers(n_groups if torch_checkpoint else 1, 5 if optimizer == "main_params" else 4))
+    # MainParamsOptimizer's leaves are torch's optimizers, which step the DTensors of a group together:
+    # one mesh for all (torch 2.6 refuses DTensors of several meshes in one foreach or fused call)
+    mesh = draw(st.sampled_from(gc.MESH_SHAPES)) if two_ranks and optimizer == "main_params" else None
+    params = [draw(_param(i, n_groups, dtypes, two_ranks, grad_kinds, mesh)) for i in range(n_params)]
+    if torch_checkpoint:   # a param in each group (see below)
+        for gi, spec in enumerate(params[:n_groups]):
+            spec["group"] = gi
     for spec in params:
         if optimizer == "fused_adam" and spec["grad"] == "other_dtype" and not GRAD_DTYPE_ATTR:
             options["decoupled_grad"] = True
         if optimizer == "main_params":
+            if options.get("second") == "Muon" and spec["group"] % 2 == 1 and spec["shape"] not in MUON_SHAPES:
+                spec["shape"] = draw(st.sampled_from(MUON_SHAPES))
             spec["frozen_in_optimizer"] = spec["frozen"] and draw(st.booleans())
             if spec["grad"] != "other_dtype":   # a main_grad may have any layout: the wrapper lays out
                 spec["grad_layout"] = spec["layout"]   # its fp32 copy; a .grad reaches the leaf as is
@@ -140,9 +192,39 @@ def cases(draw, optimizer: str, *, two_ranks: bool = False, dtypes: list | None 
                 spec["layout"] = "contiguous"
                 if spec["grad"] != "other_dtype":
                     spec["grad_layout"] = "contiguous"
-    return {"optimizer": optimizer, "seed": draw(st.integers(0, 2 ** 16)), "steps": draw(st.integers(1, 3)),
+    if torch_checkpoint and not _groups_filled(params, n_groups):
+        # torch's set_optimizer_state_dict leaves a param group without params (followed by one with
+        # params) without any setting, lr and betas included, for any optimizer: it maps the last
+        # saved group to it, and then to its own group (_split_optim_state_dict's ``loaded_param_group``
+        # after its loop, torch/distributed/checkpoint/state_dict.py, torch 2.13). Such cases resume
+        # through state_dict
+        extra["checkpoint"] = "state_dict"
+    steps = draw(st.integers(1, 3))
+    case = {"optimizer": optimizer, "seed": draw(st.integers(0, 2 ** 16)), "steps": steps,
             "add_param_group": draw(st.booleans()), "groups": [draw(_hyper()) for _ in range(n_groups)],
             "options": options, "params": params}
+    if extra.get("checkpoint", "none") != "none":
+        case["steps"] = max(steps, 2)
+        extra["resume_at"] = draw(st.integers(1, case["steps"] - 1))
+    return _through_what_torch_loads({**case, **extra})
+
+
+def _through_what_torch_loads(case: dict) -> dict:
+    """``case``, resumed through the wrapper's own state dict instead of torch's API where this torch
+    cannot load a saved state without some param's entry (TORCH_API_LOADS_STATELESS), and unflattened
+    where a group has no params (torch's flattened load names a group by its first param: IndexError in
+    ``_unflatten_optim_state_dict``, torch 2.13, for any optimizer)."""
+    if (case.get("checkpoint") in TORCH_CHECKPOINTS and not TORCH_API_LOADS_STATELESS
+            and not all(gc.saved_with_state(case, p) for p in case["params"] if gc.in_optimizer(p))):
+        return {**case, "checkpoint": "state_dict"}
+    if case.get("checkpoint") == "torch_api_flat" and case["options"].get("add_group_after_wrap"):
+        return {**case, "checkpoint": "torch_api"}
+    return case
+
+
+def _groups_filled(params: list, n_groups: int) -> bool:
+    """Every param group of a MainParamsOptimizer case holds a param the optimizer is given."""
+    return all(any(p["group"] == gi and gc.in_optimizer(p) for p in params) for gi in range(n_groups))
 
 
 def _p(shape, dtype="float32", **kw) -> dict:
@@ -156,10 +238,12 @@ def _p(shape, dtype="float32", **kw) -> dict:
 
 
 def _case(optimizer: str, params: list, options: dict, *, groups: list | None = None, steps: int = 2,
-          seed: int = 0, add_param_group: bool = False) -> dict:
+          seed: int = 0, add_param_group: bool = False, **resume) -> dict:
+    """A case for the explicit examples; ``resume``: ``checkpoint`` and ``resume_at``."""
     hyper = {"lr": 1e-2, "lr_tensor": False, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-    return {"optimizer": optimizer, "seed": seed, "steps": steps, "add_param_group": add_param_group,
-            "groups": groups or [hyper], "options": options, "params": params}
+    return _through_what_torch_loads({
+        "optimizer": optimizer, "seed": seed, "steps": steps, "add_param_group": add_param_group,
+        "groups": groups or [hyper], "options": options, "params": params, **resume})
 
 
 FUSED = {"adam_w_mode": True, "master_weights": False, "decoupled_grad": False, "amsgrad": False,
@@ -168,6 +252,38 @@ FOREACH = {"cls": "AdamW", "foreach": None, "fused": False, "amsgrad": False, "m
            "capturable": False, "differentiable": False}
 MAIN = {"cls": "AdamW", "foreach": None, "fused": False, "amsgrad": False, "maximize": False,
         "add_group_after_wrap": False}
+
+
+def _examples(*listed: dict):
+    """``@example`` for each of ``listed``."""
+    def decorate(test):
+        for case in reversed(listed):
+            test = example(case=case)(test)
+        return test
+    return decorate
+
+
+_TWO_GROUPS = [{"lr": 1e-2, "lr_tensor": False, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+               {"lr": 0.05, "lr_tensor": False, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1}]
+#: two leaf optimizers whose first has params without state when the run is saved (no grad so far,
+#: frozen, a grad only after the resume) ahead of params with state, the second leaf with state or
+#: without any (SGD0: its trained bf16 params' main params are their only state): resumed through each
+#: checkpoint path, each container
+RESUMED_LEAVES = [
+    _case("main_params", [_p([3], "bfloat16", grad="none"), _p([2], "bfloat16", name="p1", frozen=True,
+                                                              frozen_in_optimizer=True),
+                          _p([4], "bfloat16", name="p2", grad="late"), _p([5], "bfloat16", name="p3"),
+                          _p([2, 3], "bfloat16", name="p4", group=1), _p([3, 2], name="p5", group=1)],
+          {**MAIN, "second": second, "container": container}, groups=_TWO_GROUPS, steps=3,
+          checkpoint=checkpoint, resume_at=1)
+    for second, container, checkpoint in (
+        ("SGD", "list", "state_dict"), ("AdamW", "dict", "torch_api"), ("Muon", "chain", "dcp"),
+        ("SGD0", "chain", "dcp"), ("Muon", "list", "state_dict"), ("SGD0", "list", "state_dict"),
+        ("SGD0", "dict", "torch_api"))
+] + ([_case("main_params", [_p([3], "bfloat16", grad="none"), _p([5], "float16", name="p1"),
+                            _p([2, 3], "bfloat16", name="p2", group=1)],
+            {**MAIN, "second": "AdamW", "container": "list"}, groups=_TWO_GROUPS, steps=2,
+            checkpoint="torch_api_flat", resume_at=1)] if FLAT_LOAD_FILLS_MISSING_KEYS else [])
 
 
 def _assert_documented(case: dict) -> None:
@@ -263,10 +379,17 @@ def test_foreach_adamw_step_matches_torch_foreach_adam(case):
                                        grad_dtype="float32", grad_layout="contiguous")],
                     {**MAIN, "fused": True}, steps=1))
 @example(case=_case("main_params", [_p([3], "bfloat16")], {**MAIN, "add_group_after_wrap": True}))
+@_examples(*RESUMED_LEAVES)
+# found by the long profile (harness): torch's set_optimizer_state_dict primes the new optimizer at lr 0,
+# which torch refuses for a tensor lr on the foreach path, for any optimizer: so must the wrapper
+@example(case=_case("main_params", [_p([0], "bfloat16", grad="none"), _p([], "bfloat16", name="p1", group=1)],
+                    {**MAIN, "foreach": True}, groups=[{**_TWO_GROUPS[0], "lr_tensor": True}, _TWO_GROUPS[1]],
+                    checkpoint="torch_api", resume_at=1))
 def test_main_params_matches_an_fp32_master_reference(case):
     """Main params bit-equal to the same leaf optimizer on fp32 copies, model params equal to them
-    rounded; float64/complex params (their own main params) and add_param_group on the wrapper as on the
-    leaf optimizer (issue 42)."""
+    rounded, the states equal and present for the same params, also across a resume (the wrapper's
+    state dict, torch's API, DCP); float64/complex params (their own main params) and add_param_group on
+    the wrapper as on the leaf optimizer (issue 42), refused over several leaves."""
     _assert_documented(case)
 
 
@@ -333,6 +456,33 @@ MULTIRANK_EXAMPLES = [
     _case("main_params", [_p([3, 1], "bfloat16", placement="S0"), _p([1], name="p1", placement="S0"),
                           _p([2, 3], "float16", name="p2", placement="S1", grad="other_dtype",
                              grad_dtype="float32")], {**MAIN, "foreach": True}),
+] + [
+    # a one-process run's full state loaded at step 1 into every placement a param can have, uneven
+    # and empty shards included: 1-D mesh, then two mesh dims of sizes 2x1 and 1x2
+    _case("fused_adam", [_p(shape, dtype, name=f"p{i}", placement=pl, **({"mesh": mesh} if mesh else {}))
+                         for i, (shape, pl) in enumerate(params)],
+          {**FUSED, **options}, steps=3, checkpoint="full", resume_at=1)
+    for mesh, params in (
+        (None, [([7], "S0"), ([1], "S0"), ([5, 3], "S1"), ([2, 3], "S1"), ([3], "R"), ([], "R")]),
+        ([2, 1], [([5, 3], "S0,S1"), ([5, 3], "S1,S0"), ([3], "R,S0"), ([7], "S0,S0"), ([1, 5], "S1,R")]),
+        ([1, 2], [([7], "SS0,S0"), ([5, 3], "SS1,S1"), ([2, 3], "R,S1"), ([5, 3], "S0,S1"), ([1], "R,S0"),
+                  ([3, 1], "S1,S0")]))
+    for dtype, options in (("float32", {}),
+                           ("bfloat16", {"master_weights": True, "exp_avg_dtype": "bfloat16"}))
+] + [
+    # two leaves, the first with params without state when saved (no grad so far, a grad only after
+    # the resume) ahead of one with state, on sharded params: each checkpoint path
+    _case("main_params", [_p([5, 3], "bfloat16", placement=placements[0], grad="none", **mesh),
+                          _p([7], "bfloat16", name="p1", placement=placements[0], grad="late", **mesh),
+                          _p([1], "bfloat16", name="p2", placement=placements[1], **mesh),
+                          _p([3, 1], "bfloat16", name="p3", placement=placements[2], group=1, **mesh),
+                          _p([2, 3], name="p4", placement=placements[2], group=1, **mesh)],
+          {**MAIN, "second": second, "container": container}, groups=_TWO_GROUPS, steps=3,
+          checkpoint=checkpoint, resume_at=1)
+    for second, container, checkpoint, mesh, placements in (
+        ("SGD", "list", "torch_api", {}, ("S0", "R", "S1")),
+        ("AdamW", "chain", "dcp", {"mesh": [2, 1]}, ("S0,R", "R,S0", "S1,S0")),
+        ("SGD0", "dict", "state_dict", {"mesh": [1, 2]}, ("SS0,S0", "R,S0", "S1,S0")))
 ]
 
 

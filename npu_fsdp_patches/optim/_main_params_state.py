@@ -41,16 +41,19 @@ def _leaf_params(leaf: torch.optim.Optimizer) -> list[torch.Tensor]:
 def native_state_dict(leaves: list[torch.optim.Optimizer], model_of: ModelOf,
                       with_main_param: bool = True) -> dict:
     """The leaves' ``state_dict()``s merged and renumbered; ``"main_param"`` added (with
-    ``with_main_param``) where the model param is not its own main param. State tensors are not copied."""
+    ``with_main_param``) where the model param is not its own main param, also to a param the leaf keeps
+    no state for (no grad so far, or an optimizer without state, SGD without momentum, that still steps
+    it): the main param is the wrapper's own state of it. State tensors are not copied."""
     state, groups, offset = {}, [], 0
     for leaf in leaves:
         mains = _leaf_params(leaf)
         native = leaf.state_dict()
-        for index, param_state in native["state"].items():
-            main = mains[index]
+        for index, main in enumerate(mains):
+            param_state = native["state"].get(index)
             if with_main_param and model_of(main) is not main:
-                param_state = {**param_state, MAIN_PARAM: main}
-            state[offset + index] = param_state
+                param_state = {**(param_state or {}), MAIN_PARAM: main}
+            if param_state is not None:
+                state[offset + index] = param_state
         for group in native["param_groups"]:
             groups.append({**group, "params": [offset + i for i in group["params"]]})
         offset += len(mains)
@@ -233,7 +236,8 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
     if any(a != b for a, b in sizes):
         raise ValueError(f"{owner}.load_state_dict: saved param group sizes {[a for a, _ in sizes]} "
                          f"do not match the wrapped optimizers' {[b for _, b in sizes]}")
-    saved_state = state_dict.get("state", {})
+    saved_state = {key: entry for key, entry in
+                   ((k, _without_unflatten_fillers(e)) for k, e in state_dict.get("state", {}).items()) if entry}
     group_keys = [_keys_in_current_order(s, g, gi, model_of, fqn_of, owner,
                                          saved_names[gi] if saved_names and fqn_of else None)
                   for gi, (s, g) in enumerate(zip(saved_groups, current))]
@@ -263,8 +267,6 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 continue
             param_state = dict(saved_state[key])
             saved_main = param_state.pop(MAIN_PARAM, None)
-            if isinstance(saved_main, dict) and not saved_main:
-                saved_main = None   # torch's unflattening rebuilds a key the flat dict lacks as {}
             if model_of(main) is not main:   # bf16/fp16: its saved main param, or None
                 saved_mains[model_of(main)] = saved_main
             elif saved_main is not None:     # fp32 here, low precision when saved
@@ -273,6 +275,15 @@ def split_by_leaf(leaves: list[torch.optim.Optimizer], state_dict: dict, model_o
                 state[index] = param_state
         natives.append({"state": state, "param_groups": groups})
     return natives, saved_mains, fp32_mains
+
+
+def _without_unflatten_fillers(entry: Any) -> Any:
+    """``entry`` without the ``{}`` torch's flattened load puts for each key of its template that the
+    checkpoint lacks (torch 2.13, ``strict=False``): all a param without saved state gets, and the
+    moments of one whose leaf had no state for it when saved."""
+    if not isinstance(entry, Mapping):
+        return entry
+    return {key: value for key, value in entry.items() if not (isinstance(value, Mapping) and not value)}
 
 
 #: per-param states shaped like the param (torch's Adam/AdamW/SGD/Muon, and the main param)

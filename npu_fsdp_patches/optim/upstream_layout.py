@@ -4,7 +4,8 @@
 Two layouts of the same state, by where the fp32 main params sit:
 
 * **torch** (torch's state-dict API, :func:`~.main_params_checkpoint.save_checkpoint`'s default):
-  ``state.<fqn>.main_param`` for every bf16/fp16 param that has optimizer state, param groups nested
+  ``state.<fqn>.main_param`` for every bf16/fp16 param (checkpoints from before issue 40: for those
+  with optimizer state), param groups nested
   (``param_groups.<i>.<key>``, ``param_groups.<i>.params`` = FQNs);
 * **upstream** (hyper-parallel's ``Float16OptimizerWithFloat16Params`` over its ``ChainedOptimizer``,
   saved by its DCP checkpointer in one save with the model): the inner state keyed by FQN, the main

@@ -9,9 +9,11 @@ drawn placements). :func:`expected` states the documented result of a case befor
 * ``refuse``: an exception whose message matches a pattern naming the reason.
 
 A case that computes where a refusal is documented, refuses where a result is documented, or computes
-a number other than the reference's fails. The reference is torch's optimizer on plain copies of the
-tensors ours steps: the local shards on the ranks (compared shard against shard, no collective), the
-drawn layout here. Two measured reasons (torch 2.13, CPU): torch's kernels round an element alike only
+a number other than the reference's fails. A case with a ``checkpoint`` is resumed at step ``resume_at``
+(:func:`run_fused_adam`, :func:`run_main_params`) and must still equal the uninterrupted reference (for
+a full state: the reference resumed from the same state). The reference is torch's optimizer on plain
+copies of the tensors ours steps: the local shards on the ranks (compared shard against shard, no
+collective), the drawn layout here. Two measured reasons (torch 2.13, CPU): torch's kernels round an element alike only
 at the same position in a tensor of the same size (the fused kernel's ``exp_avg_sq`` differs by 1 ulp
 between a Shard(1) local of a [5, 3] param and the full tensor), and torch's own optimizers fail on
 complex DTensors (``view_as_real`` sharding propagation fails for a 0-dim Replicate; Shard(0) results
@@ -33,9 +35,13 @@ differ from the same values on plain tensors), where ours steps the local shards
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
 import re
+import tempfile
 import traceback
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -76,7 +82,10 @@ def expected(case: dict) -> tuple[str, Optional[str]]:
         return "exact", None   # or whatever torch's own optimizer refuses (decided at run time)
     if kind == "main_params":
         # every dtype is taken (issue 42): float64/complex params are their own main params, stepped as
-        # the reference steps them; add_param_group on a one-leaf wrapper adds the group to the leaf
+        # the reference steps them; add_param_group on a one-leaf wrapper adds the group to the leaf,
+        # on a wrapper of several leaves it is refused (which leaf is meant?)
+        if opts.get("add_group_after_wrap") and len(leaf_classes(case)) > 1:
+            return "refuse", r"which one takes the new group"
         return "exact", None
     raise ValueError(f"unknown optimizer {kind!r}")
 
@@ -89,24 +98,53 @@ def in_optimizer(spec: dict) -> bool:
 
 # ----------------------------------------------------------------------------- tensors of a case
 
-class Layout:
-    """Where the case runs: plain tensors (``mesh`` None) or torch DTensors on a 1-D mesh."""
+#: the meshes of the 2-rank batch (a spec's ``mesh``, default ``[2]``): both ranks on one dim, and two
+#: mesh dims with one of size 1, where a param has one placement per mesh dim (HSDP's (Replicate,
+#: Shard), 2-D sharding, and FSDP2's (_StridedShard(d, split_factor=2), Shard(d)) of a param that TP
+#: shards on the same dim: torch/distributed/fsdp/_fully_shard/_fsdp_param.py, ``_StridedShard``)
+MESH_SHAPES = ([2], [2, 1], [1, 2])
 
-    def __init__(self, mesh: Any = None) -> None:
-        self.mesh = mesh
+
+def placement(name: str, mesh_shape: list) -> Any:
+    """``"R"``, ``"S0"``, ``"S1"``, or ``"SS0"``/``"SS1"`` (FSDP2's strided shard over a later mesh dim
+    that shards the same tensor dim: split factor the size of that dim) as a torch placement."""
+    from torch.distributed.tensor import Replicate, Shard
+    if name == "R":
+        return Replicate()
+    if name.startswith("SS"):
+        from torch.distributed.tensor.placement_types import _StridedShard
+        return _StridedShard(int(name[2:]), split_factor=mesh_shape[-1])
+    return Shard(int(name[1:]))
+
+
+class Layout:
+    """Where the case runs: plain tensors (``meshes`` None) or torch DTensors on the meshes of
+    :data:`MESH_SHAPES` (built once per batch, by every rank); ``workdir`` is shared by the ranks
+    (DCP checkpoints)."""
+
+    def __init__(self, meshes: Optional[dict] = None, workdir: Optional[str] = None) -> None:
+        self.meshes = meshes
+        self.workdir = workdir
+        self._checkpoints = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.meshes is not None
+
+    def mesh(self, spec: dict) -> Any:
+        return self.meshes[tuple(spec.get("mesh", [2]))]
 
     def placements(self, spec: dict) -> Optional[list]:
-        if self.mesh is None:
+        if not self.distributed:
             return None
-        from torch.distributed.tensor import Replicate, Shard
-        return [{"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}[spec["placement"]]]
+        return [placement(name, spec.get("mesh", [2])) for name in spec["placement"].split(",")]
 
     def make(self, full: torch.Tensor, spec: dict, layout: str) -> torch.Tensor:
         """``full`` (contiguous) as the case's tensor: a DTensor of the placement, or a plain tensor
         with the drawn memory layout (same values)."""
-        if self.mesh is not None:
+        if self.distributed:
             from tests.multirank.dtensors import distribute_same
-            return distribute_same(full.clone(), self.mesh, self.placements(spec))
+            return distribute_same(full.clone(), self.mesh(spec), self.placements(spec))
         if layout == "transposed" and full.dim() == 2:   # always new storage: ``contiguous()`` may
             return full.t().clone(memory_format=torch.contiguous_format).t()   # return ``full`` itself
         if layout == "strided" and full.dim() >= 1:
@@ -116,11 +154,28 @@ class Layout:
             return view
         return full.clone()
 
-
     def make_local(self, full: torch.Tensor, spec: dict, layout: str) -> torch.Tensor:
         """What :meth:`make` gives this rank, as a plain tensor (the reference's operand)."""
         made = self.make(full, spec, layout)
-        return made if self.mesh is None else made.to_local().detach().clone()
+        return made.to_local().detach().clone() if self.distributed else made
+
+    def copy(self, t: torch.Tensor, spec: dict) -> torch.Tensor:
+        """A new tensor of ``t``'s layout and values, with no collective (a resumed run's param)."""
+        if self.distributed:
+            return type(t).from_local(_local(t).detach().clone(), t.device_mesh, t.placements,
+                                      shape=t.shape, stride=t.stride(), run_check=False)
+        return self.make(t.detach().clone(memory_format=torch.contiguous_format), spec, spec["layout"])
+
+    @contextlib.contextmanager
+    def checkpoint_dir(self) -> Iterator[str]:
+        """A new directory for one DCP checkpoint: on the ranks the same path on each (cases run in
+        the same order everywhere), here a temporary one."""
+        if self.distributed:
+            self._checkpoints += 1
+            yield os.path.join(self.workdir, f"checkpoint{self._checkpoints}")
+            return
+        with tempfile.TemporaryDirectory(prefix="generated_case_") as path:
+            yield path
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -140,7 +195,7 @@ def initial_value(case: dict, index: int) -> torch.Tensor:
 def grad_value(case: dict, index: int, step: int) -> Optional[torch.Tensor]:
     """The full grad of param ``index`` at ``step`` (identical on every rank), or None."""
     spec = case["params"][index]
-    if spec["grad"] == "none" or spec.get("frozen"):
+    if spec["grad"] == "none" or spec.get("frozen") or (spec["grad"] == "late" and step < late_start(case)):
         return None
     dtype = DTYPES[spec["grad_dtype"]] if spec["grad"] == "other_dtype" else DTYPES[spec["dtype"]]
     gen = torch.Generator().manual_seed(case["seed"] * 1000 + 100 * (step + 1) + index)
@@ -154,6 +209,12 @@ def grad_value(case: dict, index: int, step: int) -> Optional[torch.Tensor]:
         flat[-1] = float("-inf") if spec["grad"] == "inf" else flat[-1]
         g = flat.view(g.shape)
     return g
+
+
+def late_start(case: dict) -> int:
+    """The first step at which a ``"late"`` grad is given: the resume step of a resumed case (the param
+    has no state when saved, and gets one after the load), else the middle step."""
+    return case.get("resume_at") or case["steps"] // 2
 
 
 def _set_grad(p: torch.Tensor, grad: Optional[torch.Tensor], attr: str = "grad") -> None:
@@ -232,12 +293,8 @@ def _refused(exc: BaseException, pattern: str) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- FusedAdam
 
-def run_fused_adam(case: dict, layout: Layout) -> None:
-    opts = case["options"]
-    specs = case["params"]
-    fulls = [initial_value(case, i) for i in range(len(specs))]
-    params = [nn.Parameter(layout.make(f, s, s["layout"]), requires_grad=not s.get("frozen"))
-              for f, s in zip(fulls, specs)]
+def _fused_adam_options(opts: dict) -> tuple[dict, dict, str]:
+    """FusedAdam's constructor kwargs, the moments' dtype names, and the attribute grads go to."""
     extra = {"adam_w_mode": opts["adam_w_mode"], "master_weights": opts["master_weights"],
              "use_decoupled_grad": opts["decoupled_grad"]}
     if opts.get("amsgrad"):
@@ -246,25 +303,91 @@ def run_fused_adam(case: dict, layout: Layout) -> None:
         extra["maximize"] = True
     moments = {key: opts.get(f"{key}_dtype", "float32") for key in ("exp_avg", "exp_avg_sq")}
     extra.update({f"{key}_dtype": DTYPES[dt] for key, dt in moments.items() if dt != "float32"})
-    attr = "decoupled_grad" if opts["decoupled_grad"] else "grad"
+    return extra, moments, "decoupled_grad" if opts["decoupled_grad"] else "grad"
+
+
+def _set_grads(case: dict, params: list, layout: Layout, step: int, attr: str = "grad",
+               grad_layout: Optional[str] = None) -> None:
+    for i, (p, s) in enumerate(zip(params, case["params"])):
+        g = grad_value(case, i, step)
+        where = grad_layout or s.get("grad_layout", s["layout"])
+        _set_grad(p, None if g is None else layout.make(g, s, where), attr)
+
+
+def _fused_adam_resumed(case: dict, layout: Layout, params: list, opt: FusedAdam, extra: dict) -> tuple:
+    """A new FusedAdam over copies of ``params`` that loads ``opt``'s state dict (its own layout)."""
+    state = copy.deepcopy(opt.state_dict())
+    resumed = [nn.Parameter(layout.copy(p, s), requires_grad=p.requires_grad)
+               for p, s in zip(params, case["params"])]
+    new = _build(FusedAdam, case, resumed, extra)
+    new.load_state_dict(state)
+    return resumed, new
+
+
+def _fused_adam_from_full_state(case: dict, layout: Layout, fulls: list, extra: dict, attr: str,
+                                ref_cls: Any) -> tuple:
+    """``resume_at`` steps of a one-process FusedAdam on the full tensors; its state dict (full, plain
+    tensors: a checkpoint of an unsharded run) loaded into a new FusedAdam on ``layout``, and torch's
+    reference resumed from this rank's pieces of the same full state, cut by the harness."""
+    specs = case["params"]
+    saved_params = [nn.Parameter(f.clone(), requires_grad=not s.get("frozen")) for f, s in zip(fulls, specs)]
+    saved_opt = _build(FusedAdam, case, saved_params, extra)
+    for step in range(case["resume_at"]):
+        _set_grads(case, saved_params, Layout(), step, attr, grad_layout="contiguous")
+        saved_opt.step()
+    values = [p.detach() for p in saved_params]
+    params = [nn.Parameter(layout.make(v, s, s["layout"]), requires_grad=not s.get("frozen"))
+              for v, s in zip(values, specs)]
     opt = _build(FusedAdam, case, params, extra)
+    opt.load_state_dict(copy.deepcopy(saved_opt.state_dict()))
+    index = {id(p): i for i, p in enumerate(saved_params)}
+    order = [(index[id(p)], group["step"]) for group in saved_opt.param_groups for p in group["params"]]
+    entries = {order[k][0]: (entry, order[k][1]) for k, entry in saved_opt.state_dict()["state"].items()}
+    masters = [entries[i][0]["master_param"] if i in entries and "master_param" in entries[i][0] else v.float()
+               for i, v in enumerate(values)]
+    work = [nn.Parameter(layout.make_local(m.float(), s, "contiguous")) for m, s in zip(masters, specs)]
+    ref = _build(ref_cls, case, work, {"fused": True})
+    for i, (entry, step) in entries.items():
+        ref.state[work[i]] = {"step": torch.tensor(float(step)), **{
+            key: layout.make_local(entry[key], specs[i], "contiguous") for key in ("exp_avg", "exp_avg_sq")}}
+    return params, opt, work, ref
+
+
+def run_fused_adam(case: dict, layout: Layout) -> None:
+    """Optionally resumed at step ``resume_at`` (``checkpoint``): ``"own"`` loads the run's own state
+    dict into a new optimizer; ``"full"`` loads the full state of a one-process run (every placement
+    takes its piece of each full tensor: docs/te_fused_adam.md#rfc-339-state-dict)."""
+    opts = case["options"]
+    specs = case["params"]
+    extra, moments, attr = _fused_adam_options(opts)
+    fulls = [initial_value(case, i) for i in range(len(specs))]
     if expected(case)[0] == "refuse":   # no reference: ours must raise, here or in step
+        params = [nn.Parameter(layout.make(f, s, s["layout"]), requires_grad=not s.get("frozen"))
+                  for f, s in zip(fulls, specs)]
+        opt = _build(FusedAdam, case, params, extra)
         for step in range(case["steps"]):
-            for i, (p, s) in enumerate(zip(params, specs)):
-                g = grad_value(case, i, step)
-                _set_grad(p, None if g is None else layout.make(g, s, s.get("grad_layout", s["layout"])), attr)
+            _set_grads(case, params, layout, step, attr)
             opt.step()
         return
     # the reference: torch's fused kernel on fp32 workspaces (contiguous, full tensors)
-    work = [nn.Parameter(layout.make_local(f.to(torch.float32), s, "contiguous")) for f, s in zip(fulls, specs)]
     ref_cls = torch.optim.AdamW if opts["adam_w_mode"] else torch.optim.Adam
-    ref = _build(ref_cls, case, work, {"fused": True})
+    checkpoint, first = case.get("checkpoint", "none"), 0
+    if checkpoint == "full":
+        params, opt, work, ref = _fused_adam_from_full_state(case, layout, fulls, extra, attr, ref_cls)
+        first = case["resume_at"]
+    else:
+        params = [nn.Parameter(layout.make(f, s, s["layout"]), requires_grad=not s.get("frozen"))
+                  for f, s in zip(fulls, specs)]
+        opt = _build(FusedAdam, case, params, extra)
+        work = [nn.Parameter(layout.make_local(f.to(torch.float32), s, "contiguous")) for f, s in zip(fulls, specs)]
+        ref = _build(ref_cls, case, work, {"fused": True})
     round_back = not opts["master_weights"]
-    for step in range(case["steps"]):
-        for i, (p, w, s) in enumerate(zip(params, work, specs)):
+    for step in range(first, case["steps"]):
+        if checkpoint == "own" and step == case["resume_at"]:
+            params, opt = _fused_adam_resumed(case, layout, params, opt, extra)
+        _set_grads(case, params, layout, step, attr)
+        for i, (w, s) in enumerate(zip(work, specs)):
             g = grad_value(case, i, step)
-            gl = None if g is None else layout.make(g, s, s.get("grad_layout", s["layout"]))
-            _set_grad(p, gl, attr)
             w.grad = None if g is None else layout.make_local(g.to(torch.float32), s, "contiguous")
         opt.step()
         ref.step()
@@ -368,6 +491,134 @@ def run_foreach(case: dict, layout: Layout) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- MainParamsOptimizer
 
+def leaf_classes(case: dict) -> list[str]:
+    """The leaf optimizers of a MainParamsOptimizer case: ``cls``, then ``second`` if drawn; param
+    group ``gi`` of the case belongs to leaf ``gi % len(leaves)``."""
+    opts = case["options"]
+    return [opts["cls"]] + ([opts["second"]] if opts.get("second") else [])
+
+
+def saved_with_state(case: dict, spec: dict) -> bool:
+    """Whether a resumed case's saved state dict has an entry for this param of the optimizer: its
+    main param (bf16/fp16), or its leaf's state (none for a frozen param, a grad ``"none"`` or
+    ``"late"``, nor in an SGD leaf without momentum)."""
+    if spec["dtype"] in ("bfloat16", "float16"):
+        return True
+    if spec.get("frozen") or spec["grad"] in ("none", "late"):
+        return False
+    names = leaf_classes(case)
+    name = names[spec["group"] % len(names)]
+    return not (_leaf_class(name) is torch.optim.SGD
+                and _leaf_kwargs(name, case["groups"][spec["group"]])["momentum"] == 0)
+
+
+def _leaf_kwargs(name: str, hyper: dict) -> dict:
+    """A group's hyperparameters as leaf ``name`` takes them: Muon and SGD read ``betas[0]`` as their
+    momentum; ``"SGD0"`` is SGD without momentum, which keeps no state yet steps its params."""
+    if name in ("Adam", "AdamW"):
+        return hyper_kwargs(hyper)
+    lr = torch.tensor(hyper["lr"]) if hyper.get("lr_tensor") and name == "Muon" else hyper["lr"]
+    kwargs = {"lr": lr, "momentum": 0.0 if name == "SGD0" else hyper["betas"][0],
+              "weight_decay": hyper["weight_decay"]}
+    if _leaf_class(name) is getattr(torch.optim, "Muon", None):
+        kwargs["ns_steps"] = 1   # the wrapper is under test, not Muon's math: one Newton-Schulz step (of 5)
+    return kwargs
+
+
+def _leaf_class(name: str) -> Any:
+    """torch's class; torch < 2.9 has no ``torch.optim.Muon``: a momentum SGD, which keeps a
+    ``momentum_buffer`` state as Muon does (as tests/main_params_model.py)."""
+    if name == "SGD0" or (name == "Muon" and not hasattr(torch.optim, "Muon")):
+        return torch.optim.SGD
+    return getattr(torch.optim, name)
+
+
+def _main_params_leaves(case: dict, params: list, specs: list) -> list:
+    """The case's leaf optimizers over ``params`` (the optimizer's params, described by ``specs``)."""
+    names = leaf_classes(case)
+    leaves = []
+    for li, name in enumerate(names):
+        groups = [{"params": [p for p, s in zip(params, specs) if s["group"] == gi],
+                   **_leaf_kwargs(name, hyper)}
+                  for gi, hyper in enumerate(case["groups"]) if gi % len(names) == li]
+        cls = _leaf_class(name)
+        flags = _torch_flags(case["options"]) if name in ("Adam", "AdamW") else {}
+        if case.get("add_param_group") and len(groups) > 1:
+            leaf = cls(groups[:1], **flags)
+            for group in groups[1:]:
+                leaf.add_param_group(group)
+        else:
+            leaf = cls(groups, **flags)
+        leaves.append(leaf)
+    return leaves
+
+
+def _main_params_wrapper(case: dict, tensors: list) -> tuple:
+    """``(model, params, wrapper)``: the model's params are ``tensors``; the leaves are handed over
+    as one optimizer, a list, a dict or an :class:`OptimizerChain` (``container``); an empty group is
+    added to the wrapper with ``add_group_after_wrap``."""
+    from npu_fsdp_patches.optim.muon_routing import OptimizerChain
+    specs = case["params"]
+    model = nn.Module()
+    params = []
+    for t, s in zip(tensors, specs):
+        p = nn.Parameter(t, requires_grad=not s.get("frozen"))
+        model.register_parameter(s["name"], p)
+        params.append(p)
+    kept = [(p, s) for p, s in zip(params, specs) if in_optimizer(s)]
+    leaves = _main_params_leaves(case, [p for p, _ in kept], [s for _, s in kept])
+    container = case["options"].get("container", "list")
+    optimizer = (leaves[0] if len(leaves) == 1 else
+                 {"first": leaves[0], "second": leaves[1]} if container == "dict" else
+                 OptimizerChain({"adamw": leaves[0], "muon": leaves[1]}) if container == "chain" else leaves)
+    wrapped = MainParamsOptimizer(optimizer, model)
+    if case["options"].get("add_group_after_wrap"):
+        wrapped.add_param_group({"params": []})   # an empty group: the leaf takes it, nothing else changes
+    return model, params, wrapped
+
+
+def _prime_like_torch(leaves: list) -> None:
+    """What torch's state-dict API does to an optimizer without any state (it steps it once at lr 0
+    with zero grads: ``_init_optim_state``, torch/distributed/checkpoint/state_dict.py), done to
+    reference leaves where it is done to a wrapper (whose state spans all its leaves): the saved one
+    (then the reference goes on from it) and the new one it loads into (where torch may refuse)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    if not any(leaf.state for leaf in leaves):
+        for leaf in leaves:
+            leaf.zero_grad(set_to_none=True)   # as the wrapper's, cleared after each step
+            _init_optim_state(leaf)
+
+
+def _resume_main_params(case: dict, layout: Layout, fulls: list, model: nn.Module, wrapped: Any) -> tuple:
+    """A new model, leaves and wrapper that resume ``wrapped`` through ``checkpoint``: its own
+    ``state_dict``/``load_state_dict``, torch's ``get/set_optimizer_state_dict`` (nested or
+    flattened), or a DCP checkpoint of model and optimizer (``save_checkpoint``/``load_checkpoint``,
+    which load the model too: the new one starts from the initial values)."""
+    specs = case["params"]
+    how = case["checkpoint"]
+    tensors = ([layout.make(f, s, s["layout"]) for f, s in zip(fulls, specs)] if how == "dcp" else
+               [layout.copy(p, s) for p, s in zip(model.parameters(), specs)])
+    new_model, new_params, new = _main_params_wrapper(case, tensors)
+    if how == "state_dict":
+        new.load_state_dict(copy.deepcopy(wrapped.state_dict()))
+    elif how in ("torch_api", "torch_api_flat"):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+        # strict=False: a param without state (no grad so far) has none to load; torch >= 2.13
+        # refuses that for a param that requires grad unless told so, for any optimizer
+        options = StateDictOptions(flatten_optimizer_state_dict=how == "torch_api_flat", strict=False)
+        saved = get_optimizer_state_dict(model, wrapped, options=options)
+        set_optimizer_state_dict(new_model, new, copy.deepcopy(saved), options=options)
+    elif how == "dcp":
+        from npu_fsdp_patches.optim.main_params_checkpoint import load_checkpoint, save_checkpoint
+        with layout.checkpoint_dir() as path:
+            save_checkpoint(path, model, wrapped)
+            load_checkpoint(path, new_model, new)
+    else:
+        raise ValueError(f"unknown checkpoint {how!r}")
+    return new_model, new_params, new
+
+
 def _master_dtype(t: torch.Tensor, like: Optional[torch.dtype] = None) -> torch.Tensor:
     """``t`` as the reference's master holds it: fp32 for a bf16/fp16 (or fp32) param, else its own dtype
     (float64 and complex params are their own main params)."""
@@ -376,37 +627,41 @@ def _master_dtype(t: torch.Tensor, like: Optional[torch.dtype] = None) -> torch.
 
 
 def run_main_params(case: dict, layout: Layout) -> None:
-    opts = case["options"]
+    """Optionally resumed at step ``resume_at`` through ``checkpoint`` (:func:`_resume_main_params`),
+    with leaves where some params have no state yet (no grad so far, frozen, a ``"late"`` grad)."""
     specs = case["params"]
-    cls = getattr(torch.optim, opts["cls"])
     fulls = [initial_value(case, i) for i in range(len(specs))]
-    model = nn.Module()
-    params = []
-    for f, s in zip(fulls, specs):
-        p = nn.Parameter(layout.make(f, s, s["layout"]), requires_grad=not s.get("frozen"))
-        model.register_parameter(s["name"], p)
-        params.append(p)
+    model, params, wrapped = _main_params_wrapper(case, [layout.make(f, s, s["layout"])
+                                                         for f, s in zip(fulls, specs)])
     in_opt = [in_optimizer(s) for s in specs]
-    flags = _torch_flags(opts)
-    opt_params = [p for p, keep in zip(params, in_opt) if keep]
     opt_specs = [s for s, keep in zip(specs, in_opt) if keep]
-    leaf = _build(cls, {**case, "params": opt_specs}, opt_params, flags)
-    wrapped = MainParamsOptimizer(leaf, model)
-    if opts.get("add_group_after_wrap"):
-        wrapped.add_param_group({"params": []})   # an empty group: the leaf takes it, nothing else changes
     # the reference's masters are laid out as the main params: an fp32/float64/complex param is its own, a
     # bf16/fp16 param's is contiguous; the grads are laid out like them
     master_layouts = [s["layout"] if f.dtype not in (torch.bfloat16, torch.float16) else "contiguous"
                       for f, s in zip(fulls, specs)]
-    masters = [nn.Parameter(layout.make_local(_master_dtype(f), s, ml)) if keep else None
-               for f, s, ml, keep in zip(fulls, specs, master_layouts, in_opt)]
+    masters = [nn.Parameter(layout.make_local(_master_dtype(f), s, ml), requires_grad=not s.get("frozen"))
+               if keep else None for f, s, ml, keep in zip(fulls, specs, master_layouts, in_opt)]
     ref_error = None
     try:
-        ref = _build(cls, {**case, "params": opt_specs}, [m for m in masters if m is not None], flags)
+        ref = _main_params_leaves(case, [m for m in masters if m is not None], opt_specs)
     except Exception as exc:
         ref, ref_error = None, exc
     ours_error = None
+    checkpoint = case.get("checkpoint", "none")
     for step in range(case["steps"]):
+        if checkpoint != "none" and step == case["resume_at"] and ours_error is None:
+            if ref is not None and ref_error is None and checkpoint != "state_dict":
+                try:   # torch's priming step may refuse (a tensor lr on the foreach path): so must ours
+                    _prime_like_torch(ref)   # the saved optimizer, if it has no state
+                    _prime_like_torch(_main_params_leaves(case, [   # the new one it loads into
+                        nn.Parameter(m.detach().clone(), requires_grad=m.requires_grad)
+                        for m in masters if m is not None], opt_specs))
+                except Exception as exc:
+                    ref_error = exc
+            try:
+                model, params, wrapped = _resume_main_params(case, layout, fulls, model, wrapped)
+            except Exception as exc:
+                ours_error = exc
         for i, (p, m, s) in enumerate(zip(params, masters, specs)):
             g = grad_value(case, i, step)
             gl = None if g is None else layout.make(g, s, s.get("grad_layout", s["layout"]))
@@ -420,7 +675,8 @@ def run_main_params(case: dict, layout: Layout) -> None:
                                                                   master_layouts[i])
         if ref is not None and ref_error is None:
             try:
-                ref.step()
+                for leaf in ref:
+                    leaf.step()
             except Exception as exc:
                 ref_error = exc
         if ours_error is None:
@@ -435,6 +691,7 @@ def run_main_params(case: dict, layout: Layout) -> None:
     if ref_error is not None:
         raise Mismatch(f"MainParamsOptimizer computed where the fp32 reference refuses: "
                        f"{type(ref_error).__name__}: {ref_error}")
+    ref_state = {id(m): st for leaf in ref for m, st in leaf.state.items()}
     for i, (p, m, s, f) in enumerate(zip(params, masters, specs, fulls)):
         name = f"param {s['name']} ({s['dtype']} {s['shape']})"
         if m is None:
@@ -442,9 +699,16 @@ def run_main_params(case: dict, layout: Layout) -> None:
             continue
         _compare(name, p, _local(m).detach().to(f.dtype))
         _compare(f"{name} main param", wrapped.main_param(p), _local(m).detach())
-        for key in STATE_KEYS:
-            if key in ref.state[m]:
-                _compare(f"{name} {key}", wrapped.state[p][key], _local(ref.state[m][key]))
+        expected_state = ref_state.get(id(m), {})
+        ours = dict(wrapped.state[p]) if p in wrapped.state else {}
+        ours.pop("main_param", None)
+        if sorted(ours) != sorted(expected_state):
+            raise Mismatch(f"{name}: state keys {sorted(ours)}, the reference's {sorted(expected_state)}")
+        for key, value in expected_state.items():
+            if torch.is_tensor(value):
+                _compare(f"{name} {key}", ours[key], _local(value))
+            elif ours[key] != value:
+                raise Mismatch(f"{name} {key}: {ours[key]!r}, the reference's {value!r}")
 
 
 # ----------------------------------------------------------------------------- one case, a batch
@@ -478,5 +742,6 @@ def case_batch(rank: int, world: int, cases_file: str) -> list:
     from torch.distributed.device_mesh import init_device_mesh
     with open(cases_file) as fh:
         cases = json.load(fh)
-    layout = Layout(init_device_mesh("cpu", (world,)))
+    meshes = {tuple(shape): init_device_mesh("cpu", tuple(shape)) for shape in MESH_SHAPES}
+    layout = Layout(meshes, workdir=os.path.dirname(cases_file))
     return [check_case(case, layout) for case in cases]
