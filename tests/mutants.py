@@ -102,7 +102,7 @@ MUTANTS = {
                  " + len(self._extras)\n",
                  (MAIN_PARAMS,)),
     "M8": Mutant("load_checkpoint expects a main param also of a param the checkpoint has no state for "
-                 "(a bug issue 40's cases found, fixed in h-ckpt's main_params_branch)",
+                 "(a bug issue 40's cases found, fixed in main_params_checkpoint.main_params_branch)",
                  "npu_fsdp_patches/optim/main_params_checkpoint.py",
                  "        expected = [f for f in low_precision if f in saved.state]\n",
                  "        expected = low_precision\n",
