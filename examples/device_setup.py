@@ -111,6 +111,7 @@ def finish(ok: bool, failure: str) -> None:
     dist.destroy_process_group()
     if not ok:
         print(f"FAILED: {failure}", file=sys.stderr)
+    atexit._run_exitfuncs()   # as a normal exit does first: torch <= 2.9 removes a temp folder in one
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)   # skip interpreter teardown, where gloo threads can abort a finished run

@@ -29,6 +29,20 @@ def _flat_load_fills_missing_keys() -> bool:
 FLAT_LOAD_FILLS_MISSING_KEYS = _flat_load_fills_missing_keys()
 
 
+#: torch 2.7's ``_StridedShard`` (FSDP2's placement of a dim TP shards too) asserts even sharding when it
+#: splits a tensor ("_StridedShard currently only allows even sharding", placement_types.py), so
+#: ``distribute_tensor`` cannot build an uneven one there; 2.6.0, 2.9.1 and 2.13.0 split unevenly as ``Shard``
+#: does (measured). Probed from the source, not versioned.
+def _strided_shard_splits_unevenly() -> bool:
+    import inspect
+    from torch.distributed.tensor import placement_types
+    strided = getattr(placement_types, "_StridedShard", None)
+    return strided is None or "only allows even sharding" not in inspect.getsource(strided)
+
+
+STRIDED_SHARD_SPLITS_UNEVENLY = _strided_shard_splits_unevenly()
+
+
 @functools.lru_cache(maxsize=None)
 def loads_params_without_state() -> bool:
     """Whether torch's ``set_optimizer_state_dict`` loads a state dict that has no state for some param

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from .. import __version__, selftest
@@ -15,6 +14,7 @@ from ..plan import loader
 from ..plan.settings import ENV_VARS
 from ..runtime.facade import RUNTIME
 from ..selftest import runner as selftest_runner
+from ..selftest.quick_exit import exit_without_teardown
 from . import checkpoint, report
 from .doctor import EXIT_BAD_CONFIG, EXIT_PATCH_FAILED, collect, plugin_section
 from .output_guard import guarded
@@ -130,9 +130,7 @@ def main(argv: list | None = None) -> int:
     """
     code = guarded(lambda: _run(argv))
     if argv is None and selftest_runner.RAN_IN_JOB:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_without_teardown(code)
     return code
 
 

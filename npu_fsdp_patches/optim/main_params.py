@@ -416,7 +416,7 @@ class MainParamsOptimizer(torch.optim.Optimizer):
             self._derived_from_model = set()
         self._copy_main_params_to_model_params()
         if self._main_ahead:
-            self._main_ahead = frozenset()
+            _forget_main_ahead(self)
         if eager:
             self._writes.record_versions([model for model, _ in self._low_precision_pairs()])
 
@@ -627,6 +627,14 @@ class MainParamsOptimizer(torch.optim.Optimizer):
 def _adopt_outside_graph(opt: MainParamsOptimizer) -> None:
     """:meth:`MainParamsOptimizer._adopt_model_writes` as an eager step runs it, from a compiled step."""
     opt._adopt_model_writes()
+
+
+@torch._disable_dynamo
+def _forget_main_ahead(opt: MainParamsOptimizer) -> None:
+    """After the copy back, outside a compiled graph: torch 2.9's dynamo cannot set an optimizer's attribute
+    ("Attempted setattr on a user-defined object"); only the step after a load or a main-param write, which
+    already leaves the graph to adopt model writes, comes here."""
+    opt._main_ahead = frozenset()
 
 
 def _nonzero(lr: Any) -> bool:

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from . import checks
 from .checks.plant import misbehave, planted
 from .options import Plan, job_env
+from .quick_exit import exit_without_teardown
 
 
 class StatusFile:
@@ -146,10 +147,7 @@ def main(argv: list) -> int:
     except BaseException:  # noqa: BLE001 - written for the launcher, then the rank fails
         status.update(error=traceback.format_exc()[-3000:])
         raise
-    # gloo's background threads can abort the interpreter at exit after all work is reported
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)   # all is reported: gloo's threads cannot abort it at teardown
 
 
 if __name__ == "__main__":
