@@ -71,6 +71,7 @@ FULL=(
     tests/test_rebuild_main_params_planner.py
     tests/cli/test_checkpoint_command.py
     tests/test_main_params_torch_code_two_ranks.py
+    tests/test_self_test_command.py::test_inside_a_torchrun_job_every_rank_runs_and_rank_0_reports
 )
 
 # EDGE_TORCH (the oldest and the newest) add the compiled steps (issue 33; with the README's 2.13.0, three
