@@ -6,12 +6,13 @@ say. ``in_job``: this process is one rank of a torchrun job or srun step; rank 0
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 from . import report
 from .checks import CHECKS
@@ -84,6 +85,25 @@ def _emit(text: str, as_json: bool) -> None:
     print(text, file=sys.stderr if as_json else sys.stdout, flush=True)
 
 
+@contextlib.contextmanager
+def _stdout_kept_for_json(as_json: bool) -> Iterator[None]:
+    """With --json inside a job, what native code in the ranks writes to file descriptor 1 (torch 2.9's gloo:
+    "[Gloo] Rank 0 is connected to 1 peer ranks") goes to stderr while the checks run: stdout stays the one
+    JSON object the lead rank prints after them."""
+    if not as_json:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _finish(plan: Plan, versions: dict, checks: list, ranks, timed_out: bool, world: int, as_json: bool,
             log_tail: str = "", stopped: Optional[Stopped] = None) -> int:
     ordered = list(checks) + [report.skipped(n, why) for n, why in plan.skipped.items()]
@@ -145,7 +165,8 @@ def _run_in_job(plan: Plan, versions: dict, as_json: bool) -> int:
     def on_result(name: str, per_rank: list) -> None:
         _emit(report.check_line(report.merge(name, per_rank)), as_json)
 
-    every = run_rank(plan, on_result=on_result if lead else None, status=status) if plan.checks else []
+    with _stdout_kept_for_json(as_json):
+        every = run_rank(plan, on_result=on_result if lead else None, status=status) if plan.checks else []
     checks = [report.merge(name, per_rank) for name, per_rank in zip(plan.checks, every)]
     ranks = [{"rank": r, "state": "finished", "check": None, "last_finished": plan.checks[-1] if plan.checks else None,
               "seconds_in_check": None, "error": None}
