@@ -63,6 +63,9 @@ class Reference:
         self.masters = [nn.Parameter(p.detach().float()) for p in self.params]
         self.opt = torch.optim.AdamW(self.masters, **ADAMW)
         self.widen = widen   # the scaler sees fp32 grads (the masters'), as the wrapper's widened fp16 params
+        if widen and WIDENS_FP16_GRADS:   # as the wrapper's fp16 params: torch >= 2.15's FSDP2 then keeps the
+            for p in self.params:         # reduce-scatter's fp32 output as the grad instead of rounding it to fp16
+                p.grad_dtype = None
 
     @property
     def param_groups(self):   # what GradScaler.unscale_ walks
