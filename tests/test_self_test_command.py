@@ -235,6 +235,16 @@ def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_reports(tmp_path):
     assert "returned a view tensor" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("statuses, code", [(["passed", "skipped"], 0), (["skipped"], 1), (["passed", "failed"], 1),
+                                             (["skipped", "not run"], 1)])
+def test_every_rank_of_a_job_exits_by_rank_0s_rule(statuses, code):
+    """Inside a job, a rank other than 0 exits 0 exactly when rank 0's report passes: a check a rank skips
+    (FSDP2 on CPU before torch 2.7) failed the job from rank 1 while rank 0 said PASSED."""
+    from npu_fsdp_patches.selftest import report, runner
+    checks = [{"name": f"c{i}", "status": s} for i, s in enumerate(statuses)]
+    assert runner._exit_code(checks) == code == (0 if report.checks_passed(checks) else 1)
+
+
 def test_inside_an_srun_step_ranks_come_from_slurm_variables(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -94,15 +94,19 @@ def not_run(name: str, reason: str) -> dict:
     return _empty(name, "not run", reason)
 
 
+def checks_passed(checks: list) -> bool:
+    """At least one check ran and every one that ran passed (a skipped check does not count either way)."""
+    ran = [c for c in checks if c["status"] != "skipped"]
+    return bool(ran) and all(c["status"] == "passed" for c in ran)
+
+
 def assemble(plan, versions: dict, checks: list, ranks: Optional[list], timed_out: bool, world: int,
              stopped_by: Optional[int] = None) -> dict:
     """The report; ``stopped_by`` is the signal number that ended the run early."""
     known = [c.pop("applied") for c in checks if "applied" in c]   # from the checks a rank finished
     applied = sorted({name for names in known for name in names}) if known else None
-    ran = [c for c in checks if c["status"] != "skipped"]
     ranks_ok = ranks is None or all(r["state"] == "finished" for r in ranks)
-    passed = bool(ran) and all(c["status"] == "passed" for c in ran) and ranks_ok and not timed_out \
-        and stopped_by is None
+    passed = checks_passed(checks) and ranks_ok and not timed_out and stopped_by is None
     code = 128 + stopped_by if stopped_by else EXIT_TIMEOUT if timed_out else 0 if passed else 1
     return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "mode": "in_job" if plan.in_job else "launched",
             "device": plan.device, "backend": plan.backend, "world_size": world,
