@@ -229,10 +229,16 @@ def test_inside_a_torchrun_job_every_rank_runs_and_rank_0_reports(tmp_path):
     assert left == [], left
     report = json.loads(proc.stdout)                      # rank 1 printed nothing
     assert (report["mode"], report["world_size"], report["nproc_per_node"]) == ("in_job", 2, None)
-    assert by_name(report)["foreach_adamw"]["status"] == by_name(report)["main_params"]["status"] == "passed"
+    # main_params trains FSDP2 on CPU: skipped before torch 2.7, which every rank's exit code allows
+    main_params = "passed" if FSDP2_ON_CPU else "skipped"
+    assert (by_name(report)["foreach_adamw"]["status"], by_name(report)["main_params"]["status"]) == \
+        ("passed", main_params)
     # the self-test's own models raise no torch warning: main_params' wrapped Linear on 3-D input
     # returned a view, and FSDP2 warned "returned a view tensor ... wrong gradients" on every rank
-    assert "returned a view tensor" not in proc.stderr and "UserWarning" not in proc.stderr, proc.stderr[-3000:]
+    # (torch 2.7.1's own DCP writer warns that it calls the deprecated TypedStorage: not ours)
+    ours = [line for line in proc.stderr.splitlines()
+            if "UserWarning" in line and "TypedStorage is deprecated" not in line]
+    assert "returned a view tensor" not in proc.stderr and not ours, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("statuses, code", [(["passed", "skipped"], 0), (["skipped"], 1), (["passed", "failed"], 1),
